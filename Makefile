@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make run` (the rollout flow on the embedded
+# default: local Ray, ephemeral Prefect, tiny model, CPU) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+
+export PREFECT_HOME ?= $(CURDIR)/.prefect-home
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export RAY_AUTH_MODE := disabled
+
+.PHONY: venv run test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: an open-ended torch requirement would otherwise pull a CUDA build.
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+run: venv
+	$(BIN)/python -m flows.cli $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: venv lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: venv
+	$(BIN)/python benchmarks/weight_sync_cpu.py
+
+clean:
+	rm -rf $(VENV) .prefect-home out

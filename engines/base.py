@@ -1,0 +1,137 @@
+"""The rollout engine interface: one class per backend implements it, and each
+engine runs as one (async) Ray actor.
+
+Method names and arguments follow OpenRLHF's `LLMRayActor` where it has them,
+so code written against OpenRLHF's engines drives ours unchanged. Optional
+hooks default to no-ops; `health()` raises when the engine cannot serve.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from engines.config import EngineConfig
+from engines.errors import PromptTooLongError, RequestError
+from engines.outputs import RequestOutput
+from engines.sampling import SamplingParams
+from engines.weight_api import WeightUpdateAPI
+
+
+def normalize_prompts(prompt_token_ids: Any) -> list[list[int]]:
+    """One prompt (list of ints) or a batch (list of lists) -> a batch."""
+    if not isinstance(prompt_token_ids, list | tuple) or len(prompt_token_ids) == 0:
+        raise RequestError(
+            f"prompt_token_ids must be a non-empty list of token ids or of such lists, "
+            f"got {type(prompt_token_ids).__name__} {str(prompt_token_ids)[:80]}"
+        )
+    if all(isinstance(t, int) for t in prompt_token_ids):
+        return [list(prompt_token_ids)]
+    batch = []
+    for i, prompt in enumerate(prompt_token_ids):
+        if not isinstance(prompt, list | tuple) or not prompt:
+            raise RequestError(f"prompt {i} is not a non-empty list of token ids: {prompt!r:.80}")
+        if not all(isinstance(t, int) for t in prompt):
+            raise RequestError(f"prompt {i} holds non-integer token ids: {prompt!r:.80}")
+        batch.append(list(prompt))
+    return batch
+
+
+class RolloutEngine(WeightUpdateAPI, abc.ABC):
+    """One rollout engine (all its tensor-parallel workers)."""
+
+    backend: str = ""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        # Version of the weights being served; stamped on every output. A sync
+        # that fails part-way marks the engine stale: it refuses work until resynced.
+        self.weight_version = 0
+        self.stale = False
+
+    # --- generation ---------------------------------------------------------
+    @abc.abstractmethod
+    async def generate(
+        self, prompt_token_ids: list[int] | list[list[int]], sampling_params: Any = None
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; one RequestOutput per prompt,
+        each with `sampling_params.n` completions. Concurrent calls share batches."""
+
+    async def generate_text(
+        self, prompts: str | list[str], sampling_params: Any = None
+    ) -> list[RequestOutput]:
+        """Text-prompt convenience: tokenize, then `generate`."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return await self.generate([self.encode(p) for p in prompts], sampling_params)
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` with the engine's tokenizer."""
+
+    @abc.abstractmethod
+    async def get_num_unfinished_requests(self) -> int: ...
+
+    # --- control ------------------------------------------------------------
+    @abc.abstractmethod
+    async def health(self) -> dict[str, Any]:
+        """Engine state; raises if the engine cannot serve."""
+
+    async def ready(self) -> str:
+        """Returns the engine's name once it can serve (start-up is done in __init__)."""
+        await self.health()
+        return self.config.name
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        """Free the engine's resources before the actor is killed."""
+
+    @abc.abstractmethod
+    async def sleep(self, level: int = 1) -> None: ...
+
+    @abc.abstractmethod
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def pause_generation(self) -> None:
+        """Stop admitting new work; waits for requests in flight to finish."""
+
+    @abc.abstractmethod
+    async def resume_generation(self) -> None: ...
+
+    @abc.abstractmethod
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
+        """Run `method` of the worker extension on every worker of this engine
+        (one per tensor-parallel rank); results in rank order. Weight updates go
+        through here on both backends."""
+
+    # --- helpers for backends -------------------------------------------------
+    def check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Per-request validation; raises RequestError, the engine keeps serving."""
+        for i, prompt in enumerate(prompts):
+            if len(prompt) >= self.config.max_len:
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(prompt)} tokens; max_len={self.config.max_len} "
+                    f"leaves no room to generate (engine {self.config.name})"
+                )
+        if self.stale:
+            raise RequestError(
+                f"engine {self.config.name} holds stale weights after a failed sync "
+                f"(version {self.weight_version}); resync before sending work"
+            )
+
+    def base_health(self) -> dict[str, Any]:
+        return {
+            "alive": True,
+            "name": self.config.name,
+            "backend": self.backend,
+            "model": self.config.pretrain,
+            "weight_version": self.weight_version,
+            "stale": self.stale,
+            "seed": self.config.seed,
+            "bundle_indices": list(self.config.bundle_indices),
+        }

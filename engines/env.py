@@ -1,0 +1,72 @@
+"""Every environment variable the project reads or sets, in one place.
+
+Variables for engine actors are passed through Ray's `runtime_env`, never by
+editing `os.environ` inside an actor.
+"""
+
+from __future__ import annotations
+
+import os
+
+# --- read by the project -----------------------------------------------------
+#: Default deadline (seconds) of control calls into engines (health, sleep, ...).
+RPC_TIMEOUT_S = "ROLLOUTFLOW_RPC_TIMEOUT_S"
+#: Deadline (seconds) for an engine to come up (model load, CUDA graphs).
+READY_TIMEOUT_S = "ROLLOUTFLOW_READY_TIMEOUT_S"
+#: Where the tiny default model is built.
+CACHE_DIR = "ROLLOUTFLOW_CACHE_DIR"
+#: torch threads per CPU engine actor (1: more threads thrash small machines).
+TORCH_THREADS = "ROLLOUTFLOW_TORCH_THREADS"
+
+# --- set for engine actors (runtime_env) --------------------------------------
+#: vLLM's Ray executor: which bundles of the engine's placement group to use.
+VLLM_RAY_BUNDLE_INDICES = "VLLM_RAY_BUNDLE_INDICES"
+#: vLLM's Ray executor: GPU fraction per worker when engines share GPUs.
+VLLM_RAY_PER_WORKER_GPUS = "VLLM_RAY_PER_WORKER_GPUS"
+
+
+def get_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+    if value <= 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+def rpc_timeout_s() -> float:
+    return get_float(RPC_TIMEOUT_S, 60.0)
+
+
+def ready_timeout_s() -> float:
+    return get_float(READY_TIMEOUT_S, 600.0)
+
+
+def torch_threads() -> int:
+    return int(get_float(TORCH_THREADS, 1))
+
+
+def actor_env_vars(backend: str, bundle_indices: list[int], gpu_fraction: float | None) -> dict:
+    """The environment of one engine actor."""
+    env = {
+        "OMP_NUM_THREADS": str(torch_threads()),
+        "TOKENIZERS_PARALLELISM": "false",
+        TORCH_THREADS: str(torch_threads()),
+    }
+    if backend == "vllm":
+        env[VLLM_RAY_BUNDLE_INDICES] = ",".join(map(str, bundle_indices))
+        if gpu_fraction is not None:
+            env[VLLM_RAY_PER_WORKER_GPUS] = str(gpu_fraction)
+        # AsyncLLM talks to its engine-core process in msgpack, which refuses
+        # tensors' metadata, CUDA-IPC handles and functions in collective_rpc
+        # unless pickle is allowed (vllm/v1/serial_utils.py, v0.26.0:
+        # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/serial_utils.py).
+        # The socket is local to the engine; its child process inherits this.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        # vLLM's own start-up deadline, aligned with ours.
+        env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(ready_timeout_s()))
+    return env

@@ -1,0 +1,152 @@
+"""Placement of engines on the cluster: the only module that creates or
+removes placement groups.
+
+One placement group holds the whole engine set, one bundle per tensor-parallel
+rank. The bundles of one engine must sit on one node (TP runs over NVLink /
+shared memory), so bundle indices are grouped by node, the way OpenRLHF's
+`get_bundle_indices` does, instead of assuming index order follows nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engines.errors import EngineSpecError, EngineTimeoutError
+
+logger = logging.getLogger(__name__)
+
+# OpenRLHF's hybrid engine gives each colocated engine this share of a bundle's
+# GPU, so the trainer's actor fits beside it on the same device.
+COLOCATED_SHARE = 0.2
+
+
+@dataclass
+class EnginePlacement:
+    """Where each engine goes: `bundles[i]` are engine i's bundle indices."""
+
+    placement_group: PlacementGroup
+    bundles: list[list[int]]
+    uses_gpu: bool
+    owns_group: bool  # False for a caller's shared_pg: we never remove it
+
+    def strategy(self, engine: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group,
+            placement_group_bundle_index=self.bundles[engine][0],
+            # vLLM's Ray executor starts its TP workers as child tasks of the
+            # engine actor: they must land in the same placement group.
+            placement_group_capture_child_tasks=True,
+        )
+
+
+def placement_group_name(name_prefix: str) -> str:
+    return f"{name_prefix}-pg"
+
+
+def check_cluster_fits(num_engines: int, tensor_parallel_size: int, uses_gpu: bool) -> None:
+    """Raise before anything is created when the cluster cannot hold the engines."""
+    resource = "GPU" if uses_gpu else "CPU"
+    needed = num_engines * tensor_parallel_size
+    have = ray.cluster_resources().get(resource, 0)
+    if needed > have:
+        raise EngineSpecError(
+            f"num_engines={num_engines} x tensor_parallel_size={tensor_parallel_size} needs "
+            f"{needed} {resource}s, but the cluster has {have:g}"
+        )
+
+
+def bundles_by_node(pg: PlacementGroup) -> dict[str, list[int]]:
+    table = ray.util.placement_group_table(pg)
+    by_node: dict[str, list[int]] = defaultdict(list)
+    for index, node in sorted(table["bundles_to_node_id"].items()):
+        by_node[node].append(int(index))
+    return dict(by_node)
+
+
+def assign_bundles(
+    by_node: dict[str, list[int]], num_engines: int, tensor_parallel_size: int
+) -> list[list[int]]:
+    """Give each engine `tensor_parallel_size` bundles of a single node."""
+    groups: list[list[int]] = []
+    for node in sorted(by_node, key=lambda n: min(by_node[n])):
+        indices = sorted(by_node[node])
+        whole = len(indices) - len(indices) % tensor_parallel_size
+        for start in range(0, whole, tensor_parallel_size):
+            groups.append(indices[start : start + tensor_parallel_size])
+    if len(groups) < num_engines:
+        layout = {node[:8]: len(ix) for node, ix in by_node.items()}
+        raise EngineSpecError(
+            f"cannot place {num_engines} engines of tensor_parallel_size="
+            f"{tensor_parallel_size} with each engine on one node; bundles per node: {layout}"
+        )
+    return groups[:num_engines]
+
+
+def wait_ready(pg: PlacementGroup, timeout_s: float, what: str) -> None:
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise EngineTimeoutError(
+            f"placement group for {what} was not scheduled within {timeout_s:g}s "
+            f"(bundles {pg.bundle_specs}); the cluster lacks free resources"
+        )
+
+
+def place_engines(
+    *,
+    num_engines: int,
+    tensor_parallel_size: int,
+    uses_gpu: bool,
+    name_prefix: str,
+    timeout_s: float,
+    strategy: str = "PACK",
+) -> EnginePlacement:
+    """Create the engine set's placement group and assign bundles to engines."""
+    check_cluster_fits(num_engines, tensor_parallel_size, uses_gpu)
+    bundle = {"GPU": 1, "CPU": 1} if uses_gpu else {"CPU": 1}
+    pg = placement_group(
+        [dict(bundle) for _ in range(num_engines * tensor_parallel_size)],
+        strategy=strategy,
+        name=placement_group_name(name_prefix),
+    )
+    try:
+        wait_ready(pg, timeout_s, f"engines {name_prefix}-*")
+        bundles = assign_bundles(bundles_by_node(pg), num_engines, tensor_parallel_size)
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    logger.info("placement group %s: engine bundles %s", placement_group_name(name_prefix), bundles)
+    return EnginePlacement(pg, bundles, uses_gpu, owns_group=True)
+
+
+def use_shared_group(
+    pg: PlacementGroup, *, num_engines: int, tensor_parallel_size: int, timeout_s: float
+) -> EnginePlacement:
+    """Place engines on a caller's placement group (colocation with a trainer)."""
+    specs = pg.bundle_specs
+    needed = num_engines * tensor_parallel_size
+    if len(specs) < needed:
+        raise EngineSpecError(
+            f"shared_pg has {len(specs)} bundles; num_engines={num_engines} x "
+            f"tensor_parallel_size={tensor_parallel_size} needs {needed}"
+        )
+    wait_ready(pg, timeout_s, "the shared placement group")
+    bundles = assign_bundles(bundles_by_node(pg), num_engines, tensor_parallel_size)
+    uses_gpu = all(spec.get("GPU", 0) > 0 for spec in specs)
+    return EnginePlacement(pg, bundles, uses_gpu, owns_group=False)
+
+
+def remove_named_groups(name_prefix: str) -> int:
+    """Remove every live placement group named for this engine set; returns how many."""
+    name = placement_group_name(name_prefix)
+    removed = 0
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("name") == name and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed

@@ -1,0 +1,378 @@
+"""`create_vllm_engines` and friends, API-compatible with OpenRLHF's
+`openrlhf.trainer.ray.vllm_engine` module.
+
+Everything is checked before anything is created: bad input raises
+`EngineSpecError` naming the bad value and leaves no actor or placement group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import sys
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from engines import env
+from engines.client import call_engines, raise_first_error
+from engines.config import EngineConfig
+from engines.errors import (
+    BackendUnavailableError,
+    EngineDeadError,
+    EngineSpecError,
+    EngineTimeoutError,
+)
+from engines.placement import (
+    COLOCATED_SHARE,
+    EnginePlacement,
+    place_engines,
+    remove_named_groups,
+    use_shared_group,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "vllm", "hf")
+DEFAULT_NAME_PREFIX = "rolloutflow-engine"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class EngineSet(list):
+    """The engine handles (a plain list to callers), plus what it takes to find
+    and clean them up: names, namespace and placement group."""
+
+    def __init__(
+        self,
+        handles: list[Any],
+        *,
+        configs: list[EngineConfig],
+        name_prefix: str,
+        namespace: str,
+        backend: str,
+        placement: EnginePlacement,
+    ):
+        super().__init__(handles)
+        self.configs = configs
+        self.names = [config.name for config in configs]
+        self.name_prefix = name_prefix
+        self.namespace = namespace
+        self.backend = backend
+        self.placement = placement
+
+
+def engine_name(name_prefix: str, index: int) -> str:
+    return f"{name_prefix}-{index}"
+
+
+def check_pretrain(pretrain: str) -> None:
+    if os.path.exists(pretrain):
+        if not os.path.isfile(os.path.join(pretrain, "config.json")):
+            raise EngineSpecError(
+                f"pretrain={pretrain!r} has no config.json (not a model directory)"
+            )
+        return
+    looks_like_path = pretrain.startswith(("/", ".", "~")) or not _HUB_ID.match(pretrain)
+    if looks_like_path:
+        raise EngineSpecError(f"pretrain={pretrain!r} does not exist")
+
+
+def check_spec(
+    num_engines: int,
+    pretrain: str,
+    max_len: int,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int,
+    backend: str,
+) -> None:
+    def whole(name: str, value: Any, least: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise EngineSpecError(f"{name} must be an integer >= {least}, got {value!r}")
+
+    whole("num_engines", num_engines, 1)
+    whole("tensor_parallel_size", tensor_parallel_size, 1)
+    whole("max_len", max_len, 2)
+    if not isinstance(gpu_memory_utilization, int | float) or not 0 < gpu_memory_utilization <= 1:
+        raise EngineSpecError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+        )
+    if backend not in BACKENDS:
+        raise EngineSpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(pretrain, str) or not pretrain:
+        raise EngineSpecError(f"pretrain must be a model path or hub id, got {pretrain!r}")
+    check_pretrain(pretrain)
+
+
+def resolve_backend(backend: str) -> str:
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if backend == "auto":
+        chosen = "vllm" if has_vllm and gpus > 0 else "hf"
+        logger.info(
+            "backend='auto' chose %r (vLLM %s, %g GPUs in the cluster)",
+            chosen,
+            "installed" if has_vllm else "not installed",
+            gpus,
+        )
+        return chosen
+    if backend == "vllm" and not has_vllm:
+        raise BackendUnavailableError(
+            "backend='vllm' but vLLM is not installed: pip install 'rolloutflow[vllm]', "
+            "or use backend='hf' (CPU)"
+        )
+    if backend == "vllm" and gpus == 0:
+        raise BackendUnavailableError("backend='vllm' but the Ray cluster has no GPUs")
+    return backend
+
+
+def backend_class(backend: str) -> type:
+    # Imported here: the vLLM backend imports vllm, which CPU code must not need.
+    if backend == "vllm":
+        from engines.vllm_backend import VLLMEngine
+
+        return VLLMEngine
+    from engines.hf_backend import HFEngine
+
+    return HFEngine
+
+
+def existing_engine_names(name_prefix: str, namespace: str) -> list[str]:
+    pattern = re.compile(rf"^{re.escape(name_prefix)}-\d+$")
+    return sorted(
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == namespace and pattern.match(actor["name"])
+    )
+
+
+def ensure_ray() -> None:
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS", "local")
+        logger.info("Ray is not initialised: ray.init(address=%r)", address)
+        ray.init(address=address)
+
+
+def create_vllm_engines(
+    num_engines: int,
+    pretrain: str,
+    max_len: int,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int = 1,
+    seed: int = 42,
+    enable_prefix_caching: bool = False,
+    *,
+    backend: str = "auto",
+    name_prefix: str = DEFAULT_NAME_PREFIX,
+    namespace: str | None = None,
+    shared_pg: PlacementGroup | None = None,
+    **engine_kwargs: Any,
+) -> EngineSet:
+    """Start `num_engines` rollout engines as named Ray actors; engine i is named
+    `<name_prefix>-<i>` in `namespace` and samples with seed `seed + i`.
+
+    Returns at once with the handles (a list); engines load their model in the
+    background: `ray.get(engine.ready.remote(), timeout=...)` waits for one.
+    `engine_kwargs` are vLLM engine arguments (`enforce_eager`, `dtype`,
+    `enable_sleep_mode`, ...). `shared_pg` places the engines on a caller's
+    placement group with a fraction of each bundle (colocation with a trainer).
+    """
+    check_spec(
+        num_engines, pretrain, max_len, gpu_memory_utilization, tensor_parallel_size, backend
+    )
+    ensure_ray()
+    backend = resolve_backend(backend)
+    namespace = namespace or ray.get_runtime_context().namespace
+    taken = existing_engine_names(name_prefix, namespace)
+    if taken:
+        raise EngineSpecError(
+            f"engines named {taken} already exist in namespace {namespace!r}: call "
+            f"destroy_engines(name_prefix={name_prefix!r}, namespace={namespace!r}) or pick "
+            "another name_prefix"
+        )
+    backend_class(backend)  # fails here, before placement, if the backend cannot import
+    if backend == "hf" and tensor_parallel_size > 1:
+        logger.warning(
+            "backend 'hf' runs each engine in one process: tensor_parallel_size=%d reserves "
+            "the bundles but computes on the first",
+            tensor_parallel_size,
+        )
+    if shared_pg is not None:
+        placement = use_shared_group(
+            shared_pg,
+            num_engines=num_engines,
+            tensor_parallel_size=tensor_parallel_size,
+            timeout_s=env.ready_timeout_s(),
+        )
+    else:
+        placement = place_engines(
+            num_engines=num_engines,
+            tensor_parallel_size=tensor_parallel_size,
+            uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
+            name_prefix=name_prefix,
+            timeout_s=env.ready_timeout_s(),
+        )
+
+    handles, configs = [], []
+    try:
+        for i in range(num_engines):
+            config = EngineConfig(
+                name=engine_name(name_prefix, i),
+                pretrain=pretrain,
+                max_len=max_len,
+                seed=seed + i,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_prefix_caching=enable_prefix_caching,
+                bundle_indices=placement.bundles[i],
+                rpc_timeout_s=env.rpc_timeout_s(),
+                engine_kwargs=engine_kwargs,
+            )
+            handles.append(start_engine(backend, config, placement, i, namespace))
+            configs.append(config)
+    except BaseException:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        if placement.owns_group:
+            remove_placement_group(placement.placement_group)
+        raise
+    names = [config.name for config in configs]
+    logger.info("started %d %s engines: %s (namespace %r)", num_engines, backend, names, namespace)
+    return EngineSet(
+        handles,
+        configs=configs,
+        name_prefix=name_prefix,
+        namespace=namespace,
+        backend=backend,
+        placement=placement,
+    )
+
+
+def start_engine(
+    backend: str, config: EngineConfig, placement: EnginePlacement, index: int, namespace: str
+) -> Any:
+    """Start engine `index` as a named actor on its bundles."""
+    tp = config.tensor_parallel_size
+    return (
+        ray.remote(backend_class(backend))
+        .options(
+            name=config.name,
+            namespace=namespace,
+            max_restarts=0,
+            scheduling_strategy=placement.strategy(index),
+            runtime_env={"env_vars": actor_env(backend, placement, index, tp)},
+            **actor_resources(backend, placement, tp),
+        )
+        .remote(config)
+    )
+
+
+def replace_engine(engines: EngineSet, index: int, timeout_s: float = 30.0) -> Any:
+    """Kill engine `index` (dead or alive) and start a new one with the same
+    name, config and bundles; `engines[index]` becomes the new handle."""
+    old = engines[index]
+    try:
+        ray.kill(old, no_restart=True)
+    except ValueError:
+        pass
+    # The name is only free once the old actor is gone.
+    deadline = time.monotonic() + timeout_s
+    name = engines.configs[index].name
+    while name in existing_engine_names(engines.name_prefix, engines.namespace):
+        if time.monotonic() > deadline:
+            raise EngineTimeoutError(f"{name} did not go away within {timeout_s:g}s", engine=name)
+        time.sleep(0.05)
+    handle = start_engine(
+        engines.backend, engines.configs[index], engines.placement, index, engines.namespace
+    )
+    engines[index] = handle
+    logger.info("replaced engine %s (bundles %s)", name, engines.configs[index].bundle_indices)
+    return handle
+
+
+def actor_resources(backend: str, placement: EnginePlacement, tp: int) -> dict[str, float]:
+    share = 1.0 if placement.owns_group else COLOCATED_SHARE
+    gpus = share if placement.uses_gpu else 0.0
+    # vLLM's Ray executor starts one GPU worker per TP rank; the engine actor
+    # itself then holds no GPU.
+    if backend == "vllm" and tp > 1:
+        gpus = 0.0
+    return {"num_cpus": share, "num_gpus": gpus}
+
+
+def actor_env(backend: str, placement: EnginePlacement, index: int, tp: int) -> dict[str, str]:
+    fraction = None if placement.owns_group else COLOCATED_SHARE
+    return env.actor_env_vars(backend, placement.bundles[index], fraction if tp > 1 else None)
+
+
+def destroy_engines(
+    engines: list[Any] | None = None,
+    *,
+    name_prefix: str | None = None,
+    namespace: str | None = None,
+    timeout_s: float = 30.0,
+) -> int:
+    """Kill engines (given as handles, or found by name) and remove the placement
+    groups created for them. Idempotent; returns how many live engines it stopped.
+
+    Works from any process connected to the cluster (a failure hook, say): with
+    `name_prefix` and `namespace` it needs no handle.
+    """
+    ensure_ray()
+    name_prefix = name_prefix or getattr(engines, "name_prefix", None)
+    namespace = namespace or getattr(engines, "namespace", None)
+    namespace = namespace or ray.get_runtime_context().namespace
+    handles = {handle._actor_id: handle for handle in engines or []}
+    if name_prefix:
+        for name in existing_engine_names(name_prefix, namespace):
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+            except ValueError:  # gone between listing and lookup
+                continue
+            handles[handle._actor_id] = handle
+    handles = list(handles.values())
+    # A graceful shutdown first, so vLLM's engine-core process frees its GPU
+    # memory; then kill regardless.
+    results = call_engines(handles, "shutdown", timeout_s=min(timeout_s, 10.0)) if handles else []
+    alive = sum(not isinstance(r.error, EngineDeadError) for r in results)
+    for handle in handles:
+        try:
+            ray.kill(handle, no_restart=True)
+        except ValueError:
+            pass
+    placement = getattr(engines, "placement", None)
+    if placement is not None and placement.owns_group:
+        try:
+            remove_placement_group(placement.placement_group)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
+    if name_prefix:
+        remove_named_groups(name_prefix)
+        deadline = time.monotonic() + timeout_s
+        while existing_engine_names(name_prefix, namespace) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return alive
+
+
+def batch_vllm_engine_call(
+    engines: list[Any],
+    method_name: str,
+    *args: Any,
+    rank_0_only: bool = True,
+    timeout_s: float | None = None,
+    **kwargs: Any,
+) -> list[Any] | None:
+    """Call `method_name` on every engine and return the results (OpenRLHF's
+    helper). With `rank_0_only`, ranks other than 0 of an initialised
+    torch.distributed group return None without calling. Raises the first
+    engine's error; every call has a deadline."""
+    torch = sys.modules.get("torch")  # not imported here: flows must not need torch
+    if rank_0_only and torch is not None and torch.distributed.is_initialized():
+        if torch.distributed.get_rank() != 0:
+            return None
+    return raise_first_error(
+        call_engines(engines, method_name, *args, timeout_s=timeout_s, **kwargs)
+    )

@@ -1,0 +1,54 @@
+"""Session fixtures shared by every test: the tiny model and one local Ray."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Every test session gets its own Prefect home: ~/.prefect is shared.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rolloutflow-prefect-"))
+
+# Logical CPUs for the local Ray: engines, trainer and tasks each take one
+# bundle CPU; the work itself is tiny, so more logical than physical is fine.
+RAY_NUM_CPUS = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from engines.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+def start_local_ray():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            num_cpus=RAY_NUM_CPUS,
+            include_dashboard=False,
+            namespace="rolloutflow-tests",
+        )
+    return ray
+
+
+@pytest.fixture
+def ray_local():
+    """A local Ray cluster, shared by the tests that use it and shut down at the
+    end of the session (never `ray stop`: it ends every Ray process on the
+    machine). Tests that need another cluster shut this one down first; the
+    next test that asks for it starts it again."""
+    return start_local_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_ray_at_exit():
+    yield
+    import ray
+
+    ray.shutdown()

@@ -1,0 +1,178 @@
+"""The CPU backend's sampling, in process (no Ray): every SamplingParams field
+is honoured, and logprobs agree with the model run without batching or cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.config import EngineConfig
+from engines.errors import EngineSleepingError, RequestError
+from engines.hf_backend import HFEngine
+from engines.sampling import SamplingParams
+
+PROMPT = [42, 71, 78, 78, 81, 14]
+LONG_PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
+
+
+def make_engine(model_dir: str, seed: int = 0) -> HFEngine:
+    config = EngineConfig(
+        name="unit", pretrain=model_dir, max_len=64, seed=seed,
+        gpu_memory_utilization=0.5, rpc_timeout_s=30,
+    )
+    return HFEngine(config)
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    engine = make_engine(tiny_model)
+    yield engine
+    run(engine.shutdown())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+    def logprobs(tokens: list[int]) -> torch.Tensor:
+        """log p(token t | tokens < t) for t >= 1, from one plain forward pass."""
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+    return logprobs
+
+
+def tokens(engine, prompt, **params) -> list[list[int]]:
+    (output,) = run(engine.generate(prompt, SamplingParams(**params)))
+    return [c.token_ids for c in output.outputs]
+
+
+def test_greedy_is_deterministic_and_matches_top_k_1_and_tiny_top_p(engine):
+    greedy = tokens(engine, PROMPT, temperature=0.0, max_tokens=10, ignore_eos=True)
+    assert greedy == tokens(engine, PROMPT, temperature=0.0, max_tokens=10, ignore_eos=True)
+    assert greedy == tokens(engine, PROMPT, top_k=1, max_tokens=10, ignore_eos=True, seed=1)
+    assert greedy == tokens(engine, PROMPT, top_p=1e-6, max_tokens=10, ignore_eos=True, seed=2)
+
+
+def test_seed_n_and_max_tokens(engine):
+    a = tokens(engine, PROMPT, n=3, seed=5, max_tokens=7, ignore_eos=True)
+    assert a == tokens(engine, PROMPT, n=3, seed=5, max_tokens=7, ignore_eos=True)
+    assert a != tokens(engine, PROMPT, n=3, seed=6, max_tokens=7, ignore_eos=True)
+    assert len(a) == 3 and all(len(t) == 7 for t in a)
+    assert len({tuple(t) for t in a}) == 3  # the n samples differ from each other
+
+
+def test_top_k_restricts_to_the_k_most_likely(engine, reference):
+    (output,) = run(engine.generate(PROMPT, SamplingParams(top_k=3, logprobs=3, max_tokens=20,
+                                                           seed=3, ignore_eos=True)))
+    for entry, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids, strict=True):
+        top3 = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
+        assert token in {t for t, _ in top3}
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    first = tokens(engine, PROMPT, temperature=0.0, max_tokens=1)[0][0]
+    (output,) = run(engine.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first])
+    ))
+    assert output.outputs[0].token_ids == [first]
+    assert output.outputs[0].finish_reason == "stop"
+    (output,) = run(engine.generate(
+        PROMPT,
+        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first], min_tokens=4),
+    ))
+    assert first not in output.outputs[0].token_ids[:4]
+    assert len(output.outputs[0].token_ids) >= 4
+
+
+def test_eos_stops_unless_ignored(tiny_model, tmp_path, engine):
+    # A copy of the model whose EOS is the token greedy decoding emits first.
+    first = tokens(engine, PROMPT, temperature=0.0, max_tokens=1)[0][0]
+    model_dir = tmp_path / "eos-model"
+    shutil.copytree(tiny_model, model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = first
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    eos_engine = make_engine(str(model_dir))
+    try:
+        (out,) = run(eos_engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8)))
+        assert out.outputs[0].token_ids == [first] and out.outputs[0].finish_reason == "stop"
+        (out,) = run(eos_engine.generate(
+            PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        ))
+        assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    finally:
+        run(eos_engine.shutdown())
+
+
+def test_logprobs_match_a_plain_forward_pass(engine, reference):
+    """Sampled-token and prompt logprobs equal the model's, batched with a
+    longer prompt (left padding) and decoded with the KV cache."""
+    params = SamplingParams(max_tokens=12, seed=11, logprobs=2, prompt_logprobs=0,
+                            ignore_eos=True)
+    short, _ = run(engine.generate([PROMPT, LONG_PROMPT], params))
+    completion = short.outputs[0]
+    full = PROMPT + completion.token_ids
+    expected = reference(full)
+    got_prompt = [entry[t] for entry, t in zip(short.prompt_logprobs[1:], PROMPT[1:], strict=True)]
+    got_sampled = [entry[t] for entry, t in zip(completion.logprobs, completion.token_ids,
+                                                 strict=True)]
+    assert short.prompt_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(got_prompt + got_sampled), expected,
+                               atol=1e-4, rtol=1e-4)
+    assert completion.cumulative_logprob == pytest.approx(sum(got_sampled), abs=1e-3)
+    assert all(1 <= len(entry) <= 3 for entry in completion.logprobs)
+
+
+def test_batching_does_not_change_greedy_output(engine):
+    alone = tokens(engine, PROMPT, temperature=0.0, max_tokens=10, ignore_eos=True)
+    batched, _ = run(engine.generate([PROMPT, LONG_PROMPT],
+                                     SamplingParams(temperature=0.0, max_tokens=10,
+                                                    ignore_eos=True)))
+    assert [c.token_ids for c in batched.outputs] == alone
+
+
+def test_max_len_caps_generation(engine):
+    prompt = list(range(10, 70))  # 60 tokens, max_len 64: room for 4
+    (out,) = run(engine.generate(prompt, SamplingParams(max_tokens=50, ignore_eos=True)))
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_bad_requests_are_rejected_and_engine_keeps_serving(engine):
+    with pytest.raises(RequestError, match="outside"):
+        run(engine.generate([1, 2, 100000], SamplingParams()))
+    with pytest.raises(RequestError, match="non-empty list"):
+        run(engine.generate([], SamplingParams()))
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+    assert tokens(engine, PROMPT, max_tokens=2, ignore_eos=True)
+
+
+def test_sleep_refuses_work_until_woken(engine):
+    run(engine.sleep(level=1))
+    with pytest.raises(EngineSleepingError, match="asleep"):
+        run(engine.generate(PROMPT, SamplingParams()))
+    run(engine.wake_up(tags=["weights"]))
+    with pytest.raises(EngineSleepingError, match="kv_cache"):
+        run(engine.generate(PROMPT, SamplingParams()))
+    run(engine.wake_up(tags=["kv_cache"]))
+    assert tokens(engine, PROMPT, max_tokens=2)
+
+
+def test_vllm_sampling_params_are_accepted_by_field_name():
+    class VllmLike:  # what vllm.SamplingParams looks like to us
+        n, temperature, top_p, top_k, max_tokens, min_tokens = 2, 0.7, 0.9, 0, 5, 1
+        seed, stop_token_ids, ignore_eos, logprobs, prompt_logprobs = 3, None, True, 1, None
+
+    params = SamplingParams.coerce(VllmLike())
+    assert (params.n, params.top_k, params.stop_token_ids, params.logprobs) == (2, 0, [], 1)
