@@ -36,7 +36,10 @@ def leftovers() -> tuple[list, list]:
 )
 def test_bad_spec_is_rejected_before_anything_exists(ray_local, tiny_model, change, message):
     spec = dict(
-        num_engines=1, pretrain=tiny_model, max_len=128, gpu_memory_utilization=0.5,
+        num_engines=1,
+        pretrain=tiny_model,
+        max_len=128,
+        gpu_memory_utilization=0.5,
         name_prefix=PREFIX,
     )
     spec.update(change)

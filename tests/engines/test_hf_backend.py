@@ -22,8 +22,12 @@ LONG_PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
 
 def make_engine(model_dir: str, seed: int = 0) -> HFEngine:
     config = EngineConfig(
-        name="unit", pretrain=model_dir, max_len=64, seed=seed,
-        gpu_memory_utilization=0.5, rpc_timeout_s=30,
+        name="unit",
+        pretrain=model_dir,
+        max_len=64,
+        seed=seed,
+        gpu_memory_utilization=0.5,
+        rpc_timeout_s=30,
     )
     return HFEngine(config)
 
@@ -73,8 +77,11 @@ def test_seed_n_and_max_tokens(engine):
 
 
 def test_top_k_restricts_to_the_k_most_likely(engine, reference):
-    (output,) = run(engine.generate(PROMPT, SamplingParams(top_k=3, logprobs=3, max_tokens=20,
-                                                           seed=3, ignore_eos=True)))
+    (output,) = run(
+        engine.generate(
+            PROMPT, SamplingParams(top_k=3, logprobs=3, max_tokens=20, seed=3, ignore_eos=True)
+        )
+    )
     for entry, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids, strict=True):
         top3 = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
         assert token in {t for t, _ in top3}
@@ -82,15 +89,19 @@ def test_top_k_restricts_to_the_k_most_likely(engine, reference):
 
 def test_stop_token_ids_and_min_tokens(engine):
     first = tokens(engine, PROMPT, temperature=0.0, max_tokens=1)[0][0]
-    (output,) = run(engine.generate(
-        PROMPT, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first])
-    ))
+    (output,) = run(
+        engine.generate(
+            PROMPT, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first])
+        )
+    )
     assert output.outputs[0].token_ids == [first]
     assert output.outputs[0].finish_reason == "stop"
-    (output,) = run(engine.generate(
-        PROMPT,
-        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first], min_tokens=4),
-    ))
+    (output,) = run(
+        engine.generate(
+            PROMPT,
+            SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first], min_tokens=4),
+        )
+    )
     assert first not in output.outputs[0].token_ids[:4]
     assert len(output.outputs[0].token_ids) >= 4
 
@@ -107,9 +118,11 @@ def test_eos_stops_unless_ignored(tiny_model, tmp_path, engine):
     try:
         (out,) = run(eos_engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8)))
         assert out.outputs[0].token_ids == [first] and out.outputs[0].finish_reason == "stop"
-        (out,) = run(eos_engine.generate(
-            PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        ))
+        (out,) = run(
+            eos_engine.generate(
+                PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            )
+        )
         assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
     finally:
         run(eos_engine.shutdown())
@@ -118,27 +131,30 @@ def test_eos_stops_unless_ignored(tiny_model, tmp_path, engine):
 def test_logprobs_match_a_plain_forward_pass(engine, reference):
     """Sampled-token and prompt logprobs equal the model's, batched with a
     longer prompt (left padding) and decoded with the KV cache."""
-    params = SamplingParams(max_tokens=12, seed=11, logprobs=2, prompt_logprobs=0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=12, seed=11, logprobs=2, prompt_logprobs=0, ignore_eos=True)
     short, _ = run(engine.generate([PROMPT, LONG_PROMPT], params))
     completion = short.outputs[0]
     full = PROMPT + completion.token_ids
     expected = reference(full)
     got_prompt = [entry[t] for entry, t in zip(short.prompt_logprobs[1:], PROMPT[1:], strict=True)]
-    got_sampled = [entry[t] for entry, t in zip(completion.logprobs, completion.token_ids,
-                                                 strict=True)]
+    got_sampled = [
+        entry[t] for entry, t in zip(completion.logprobs, completion.token_ids, strict=True)
+    ]
     assert short.prompt_logprobs[0] is None
-    torch.testing.assert_close(torch.tensor(got_prompt + got_sampled), expected,
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(got_prompt + got_sampled), expected, atol=1e-4, rtol=1e-4
+    )
     assert completion.cumulative_logprob == pytest.approx(sum(got_sampled), abs=1e-3)
     assert all(1 <= len(entry) <= 3 for entry in completion.logprobs)
 
 
 def test_batching_does_not_change_greedy_output(engine):
     alone = tokens(engine, PROMPT, temperature=0.0, max_tokens=10, ignore_eos=True)
-    batched, _ = run(engine.generate([PROMPT, LONG_PROMPT],
-                                     SamplingParams(temperature=0.0, max_tokens=10,
-                                                    ignore_eos=True)))
+    batched, _ = run(
+        engine.generate(
+            [PROMPT, LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        )
+    )
     assert [c.token_ids for c in batched.outputs] == alone
 
 

@@ -39,8 +39,12 @@ def fake_gpu_cluster():
 
 def test_tp2_engines_get_bundles_on_one_node_each(fake_gpu_cluster, tiny_model):
     engines = create_vllm_engines(
-        num_engines=2, pretrain=tiny_model, max_len=256, gpu_memory_utilization=0.5,
-        tensor_parallel_size=2, name_prefix="test-tp2",
+        num_engines=2,
+        pretrain=tiny_model,
+        max_len=256,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        name_prefix="test-tp2",
     )
     try:
         table = ray.util.placement_group_table(engines.placement.placement_group)
