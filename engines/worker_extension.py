@@ -1,7 +1,325 @@
-"""Weight-update methods that run where the model lives (filled in by the
-weight-sync work)."""
+"""Weight-update methods that run where the model lives: inside each vLLM GPU
+worker (vLLM's `worker_extension_cls` points here) and inside the CPU
+backend's worker. Engines call them through `RolloutEngine.collective_rpc`.
+
+Contract: the host class provides `self.model_runner.get_model()` (vLLM) or
+overrides `_model()`; `self.device`; `self.rank` (tensor-parallel rank).
+
+Every transport's receiving side is here. Arguments and results are plain
+data (str, int, float, bool, list, dict, bytes): vLLM's collective_rpc crosses
+a msgpack hop that refuses torch types. Method names avoid those vLLM 0.26
+reserves on its Worker (`update_weights`, `start_weight_update`, ...); the
+OpenRLHF names (`init_process_group`, `update_weight`,
+`update_weight_cuda_ipc`) are free there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from engines.weight_sync import checkpoint, cuda_ipc
+from engines.weight_sync.broadcast import WeightGroup
+from engines.weight_sync.buckets import Bucket, BucketPlan, unpack_bucket
+from engines.weight_sync.checksum import checksum
+from engines.weight_sync.config import GroupInfo
+from engines.weight_sync.errors import WeightSyncError, WeightTransferError
+from engines.weight_sync.manifest import Manifest, ParamSpec, dtype_name, mismatches, torch_dtype
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncWorkerExtension:
+    # Instance state, created on first use (vLLM mixes this class into its
+    # Worker, whose __init__ we do not control).
+    _weight_group: WeightGroup | None = None
+    _weight_backup: dict[str, Any] | None = None
+    _wire_checksums: dict[str, str] | None = None
+    _expected: Manifest | None = None
+
     def _model(self):
-        return self.model_runner.model
+        # get_model() unwraps the CUDA-graph wrapper vLLM may put around the
+        # model (v1/worker/gpu_model_runner.py, vLLM 0.26).
+        return self.model_runner.get_model()
+
+    # --- what this worker expects -------------------------------------------------
+    def _is_vllm_model(self) -> bool:
+        # vLLM models take HF-named weights through `load_weights` (fusing
+        # qkv / gate_up and sharding for TP); transformers models have none.
+        return hasattr(self._model(), "load_weights")
+
+    def _expected_manifest(self) -> Manifest:
+        if self._expected is None:
+            if self._is_vllm_model():
+                self._expected = self._checkpoint_manifest()
+            else:
+                self._expected = Manifest.of(self._model().named_parameters())
+        return self._expected
+
+    def _checkpoint_manifest(self) -> Manifest:
+        """vLLM's parameters are fused and sharded, so the HF layout a trainer
+        sends is read from the checkpoint the engine loaded; floating-point
+        weights arrive in the serving dtype."""
+        config = self.model_config
+        path = config.model
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(
+                path,
+                revision=config.revision,
+                local_files_only=True,
+                allow_patterns=["*.safetensors", "*.json"],
+            )
+        serving = dtype_name(config.dtype)
+        params = [
+            p.model_copy(update={"dtype": serving}) if torch_dtype(p.dtype).is_floating_point else p
+            for p in checkpoint.read_manifest(path).params
+        ]
+        return Manifest(params=tuple(params))
+
+    def weight_manifest(self) -> dict:
+        """The layout this worker accepts (HF names), as plain data."""
+        return self._expected_manifest().model_dump(mode="json")
+
+    def weight_manifest_problems(self, manifest: dict, allow_partial: bool = False) -> list[str]:
+        """Differences between the trainer's manifest and this worker's, one
+        line each (plain data: exception types do not survive vLLM's RPC)."""
+        got = Manifest.model_validate(manifest)
+        # A checkpoint may hold weights vLLM does not load (tied lm_head, rotary
+        # buffers), so on vLLM only the names the trainer sends are checked.
+        return mismatches(
+            self._expected_manifest(), got, allow_partial=allow_partial or self._is_vllm_model()
+        )
+
+    def _problems_of(self, spec: ParamSpec) -> list[str]:
+        return self.weight_manifest_problems(
+            Manifest(params=(spec,)).model_dump(mode="json"), allow_partial=True
+        )
+
+    # --- loading --------------------------------------------------------------------
+    def _load_weights(self, weights: list[tuple[str, Any]]) -> None:
+        model = self._model()
+        if self._is_vllm_model():
+            model.load_weights(weights=weights)
+            return
+        import torch
+
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in params:
+                    raise WeightSyncError(f"the model has no parameter {name!r}")
+                params[name].copy_(tensor)
+
+    def _record_wire(self, weights: list[tuple[str, Any]]) -> None:
+        if self._wire_checksums is None:
+            self._wire_checksums = {}
+        for name, tensor in weights:
+            self._wire_checksums[name] = checksum(tensor)
+
+    def _empty_cache(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # --- the sync around a transfer ---------------------------------------------------
+    def prepare_weight_sync(self, backup: bool) -> dict:
+        """Before the first byte: forget the last sync's checksums and, with
+        `backup`, keep a host copy of the weights to restore on failure."""
+        self._wire_checksums = {}
+        self._weight_backup = None
+        started = time.monotonic()
+        if backup:
+            self._weight_backup = {
+                name: t.detach().to("cpu", copy=True)
+                for name, t in self._model().state_dict(keep_vars=True).items()
+            }
+        nbytes = sum(t.numel() * t.element_size() for t in (self._weight_backup or {}).values())
+        return {"backup_bytes": nbytes, "seconds": time.monotonic() - started}
+
+    def end_weight_sync(self, restore: bool) -> dict:
+        """After the sync: with `restore`, put the backup back (a failed sync);
+        always drop it. Returns whether the old weights were restored."""
+        restored = False
+        if restore and self._weight_backup is not None:
+            import torch
+
+            state = self._model().state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, saved in self._weight_backup.items():
+                    state[name].copy_(saved)
+            restored = True
+        self._weight_backup = None
+        self._empty_cache()
+        return {"restored": restored}
+
+    def weight_checksums(self, names: list[str]) -> dict[str, str | None]:
+        """Checksums of the live weights by HF name where the model keeps that
+        name (transformers models); of the bytes received in the last sync
+        otherwise (vLLM fuses and shards, so its live tensors have other
+        names and shapes). None for a name neither knows."""
+        live = {} if self._is_vllm_model() else dict(self._model().named_parameters())
+        wire = self._wire_checksums or {}
+        result: dict[str, str | None] = {}
+        for name in names:
+            if name in live:
+                result[name] = checksum(live[name])
+            else:
+                result[name] = wire.get(name)
+        return result
+
+    def read_weights(self, names: list[str]) -> dict[str, Any]:
+        """Copies of live weights by name (HF names on transformers models,
+        vLLM's own names on vLLM), for inspection and tests."""
+        state = dict(self._model().named_parameters())
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise WeightSyncError(f"the model has no parameters {missing[:5]}")
+        return {n: state[n].detach().to("cpu", copy=True) for n in names}
+
+    # --- collective broadcast -------------------------------------------------------
+    def init_process_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+        timeout_s: float = 60.0,
+    ) -> int:
+        """Join the trainer's group as rank `rank_offset + self.rank` (OpenRLHF's
+        WorkerWrap.init_process_group); returns that rank."""
+        self.destroy_weight_group()
+        info = GroupInfo(
+            master_address, int(master_port), int(world_size), group_name, backend, float(timeout_s)
+        )
+        rank = int(rank_offset) + int(self.rank)
+        self._weight_group = WeightGroup(info, rank, device=self.device)
+        return rank
+
+    def destroy_weight_group(self) -> None:
+        if self._weight_group is not None:
+            self._weight_group.destroy()
+            self._weight_group = None
+
+    def has_weight_group(self) -> bool:
+        return self._weight_group is not None and self._weight_group.alive
+
+    def weight_group_id(self) -> str | None:
+        return self._weight_group.group_id if self.has_weight_group() else None
+
+    def _group(self) -> WeightGroup:
+        if self._weight_group is None or not self._weight_group.alive:
+            raise WeightTransferError(
+                "no weight group on this worker: call init_process_group first (a failed "
+                "sync tears the group down)"
+            )
+        return self._weight_group
+
+    def _receive(self, nbytes: int):
+        import torch
+
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._group().broadcast(flat, src=0)
+        return flat
+
+    def update_weight(
+        self, name: str, dtype: str, shape: list[int], empty_cache: bool = False
+    ) -> dict:
+        """OpenRLHF's per-parameter path: receive one tensor broadcast from rank 0
+        and load it. The tensor is received before it is checked, so a bad
+        name does not leave the trainer hanging in the collective; a bad one
+        is not loaded and comes back in `problems`."""
+        import torch
+
+        spec = ParamSpec(name=name, dtype=dtype, shape=tuple(shape))
+        weight = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+        self._group().broadcast(weight, src=0)
+        problems = self._problems_of(spec)
+        if not problems:
+            self._record_wire([(name, weight)])
+            self._load_weights([(name, weight)])
+        del weight
+        if empty_cache:
+            self._empty_cache()
+        return {"bytes": spec.nbytes, "problems": problems}
+
+    def receive_weight_buckets(self, plan: dict, verify: bool = True) -> dict:
+        """Our bucketed path: every bucket of the plan arrives as one broadcast
+        of a flat buffer, is unpacked into views and loaded."""
+        plan_ = BucketPlan.model_validate(plan)
+        self._group()  # fail before anything is allocated
+        started = time.monotonic()
+        for bucket in plan_.buckets:
+            weights = unpack_bucket(bucket, self._receive(bucket.nbytes))
+            if verify:
+                self._record_wire(weights)
+            self._load_weights(weights)
+        return {
+            "bytes": plan_.nbytes,
+            "buckets": len(plan_.buckets),
+            "seconds": time.monotonic() - started,
+        }
+
+    # --- CUDA IPC (colocated) -------------------------------------------------------
+    def update_weight_cuda_ipc(
+        self, name: str, dtype: str, shape: list[int], ipc_handles: Any, empty_cache: bool = False
+    ) -> dict:
+        """OpenRLHF's colocated path: the trainer's tensor, opened by IPC handle."""
+        import torch
+
+        spec = ParamSpec(name=name, dtype=dtype, shape=tuple(shape))
+        problems = self._problems_of(spec)
+        if problems:
+            return {"bytes": 0, "problems": problems}
+        handles = cuda_ipc.loads(ipc_handles) if isinstance(ipc_handles, bytes) else ipc_handles
+        weight = cuda_ipc.open_shared(handles, self.device.index)
+        if tuple(weight.shape) != spec.shape or weight.dtype != torch_dtype(spec.dtype):
+            raise WeightTransferError(
+                f"{name!r}: the shared tensor is {weight.dtype} {list(weight.shape)}, "
+                f"announced {spec.dtype} {list(spec.shape)}"
+            )
+        self._record_wire([(name, weight)])
+        self._load_weights([(name, weight)])
+        # The trainer frees or reuses its memory once we return.
+        torch.cuda.synchronize(self.device)
+        if empty_cache:
+            self._empty_cache()
+        return {"bytes": spec.nbytes, "problems": []}
+
+    def receive_weight_bucket_ipc(self, bucket: dict, ipc_handles: bytes, verify: bool = True):
+        """One bucket from a flat buffer the colocated trainer shares by IPC."""
+        import torch
+
+        bucket_ = Bucket.model_validate(bucket)
+        flat = cuda_ipc.open_shared(cuda_ipc.loads(ipc_handles), self.device.index)
+        if flat.dtype != torch.uint8 or flat.numel() < bucket_.nbytes:
+            raise WeightTransferError(
+                f"the shared buffer is {flat.numel()} {flat.dtype}; the bucket needs "
+                f"{bucket_.nbytes} uint8"
+            )
+        weights = unpack_bucket(bucket_, flat)
+        if verify:
+            self._record_wire(weights)
+        self._load_weights(weights)
+        torch.cuda.synchronize(self.device)
+        return {"bytes": bucket_.nbytes}
+
+    # --- checkpoint directory ---------------------------------------------------------
+    def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
+        """Load every weight of a safetensors checkpoint (HF layout)."""
+        started = time.monotonic()
+        nbytes = 0
+        for name, tensor in checkpoint.iter_tensors(path, device="cpu"):
+            weight = tensor.to(self.device)
+            if verify:
+                self._record_wire([(name, weight)])
+            self._load_weights([(name, weight)])
+            nbytes += tensor.numel() * tensor.element_size()
+        self._empty_cache()
+        return {"bytes": nbytes, "seconds": time.monotonic() - started}

@@ -1,0 +1,202 @@
+"""Two-phase sync over a set of engines, shared by every transport.
+
+check (all) -> begin (all: pause) -> transfer (the transport's job) ->
+verify (all) -> finish (all: reset prefix cache, new version, resume).
+If anything fails before finish, every engine that began is aborted
+(restored or marked stale) so no engine commits a version the others lack.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.client import EngineCallResult, call_engines, engine_label
+from engines.errors import EngineDeadError, EngineFailure
+from engines.weight_sync.config import SyncConfig
+from engines.weight_sync.errors import WeightSyncError, WeightTransferError
+from engines.weight_sync.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncReport:
+    """What one sync did: the row a flow's table gets."""
+
+    version: int
+    transport: str
+    engines: int
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "transport": self.transport,
+            "engines": self.engines,
+            "bytes": self.bytes,
+            "buckets": self.buckets,
+            "seconds": round(self.seconds, 6),
+            "gb_per_s": round(self.gb_per_s, 6),
+            "verified": self.verified,
+            "phases": {k: round(v, 6) for k, v in self.phases.items()},
+        }
+
+
+class Phases:
+    """Times each phase of a sync."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.times: dict[str, float] = {}
+        self._mark = self.started
+
+    def done(self, phase: str) -> None:
+        now = time.monotonic()
+        self.times[phase] = now - self._mark
+        self._mark = now
+
+    @property
+    def total(self) -> float:
+        return time.monotonic() - self.started
+
+
+def as_engine_list(engines: Any) -> list[Any]:
+    """The engines as a list, keeping an `EngineSet`'s names for messages."""
+    return engines if isinstance(engines, list) else list(engines)
+
+
+def failure_of(engines: list[Any], results: list[EngineCallResult], what: str) -> Exception:
+    """One error for a phase's failed results: EngineDeadError if an engine
+    died (replace it), else the first engine's own (recoverable) error."""
+    failed = [r for r in results if not r.ok]
+    dead = [r for r in failed if isinstance(r.error, EngineDeadError)]
+    if dead:
+        names = [engine_label(engines, r.engine) for r in dead]
+        error = EngineDeadError(
+            f"{what}: engines {names} died; the others were aborted", engine=names[0]
+        )
+        error.__cause__ = dead[0].error
+        return error
+    first = failed[0].error
+    if isinstance(first, WeightSyncError | EngineFailure):
+        return first
+    error = WeightTransferError(f"{what}: {engine_label(engines, failed[0].engine)}: {first}")
+    error.__cause__ = first
+    return error
+
+
+class Coordinator:
+    def __init__(self, engines: list[Any], config: SyncConfig):
+        if not engines:
+            raise ValueError("no engines to sync")
+        self.engines = engines
+        self.config = config
+        self._open: list[int] = []
+
+    def _call(self, method: str, *args: Any, only: list[int] | None = None, **kwargs: Any):
+        indices = list(range(len(self.engines))) if only is None else only
+        targets = [self.engines[i] for i in indices]
+        results = call_engines(targets, method, *args, timeout_s=self.config.timeout_s, **kwargs)
+        for result, index in zip(results, indices, strict=True):
+            result.engine = index
+        return results
+
+    def check(self, manifest: Manifest, allow_partial: bool = False) -> None:
+        """Every engine accepts the manifest, or the first refusal is raised;
+        nothing changes either way."""
+        results = self._call(
+            "check_weight_manifest", manifest.model_dump(mode="json"), allow_partial
+        )
+        if not all(r.ok for r in results):
+            raise failure_of(self.engines, results, "manifest check")
+
+    def begin(self, version: int, manifest: Manifest | None, allow_partial: bool = False) -> None:
+        payload = manifest.model_dump(mode="json") if manifest is not None else None
+        results = self._call(
+            "begin_weight_sync",
+            version,
+            payload,
+            on_failure=self.config.on_failure,
+            idle_timeout_s=self.config.timeout_s,
+            allow_partial=allow_partial,
+        )
+        self._open = [r.engine for r in results if r.ok]
+        if len(self._open) != len(self.engines):
+            error = failure_of(self.engines, results, f"begin sync to version {version}")
+            self.abort(f"begin failed: {error}")
+            raise error
+
+    def collect(self, refs: list[Any], what: str) -> list[Any]:
+        """Wait for one call per engine (already launched) within the deadline;
+        on any failure abort all and raise."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout_s)
+        results = []
+        for i, ref in enumerate(refs):
+            label = engine_label(self.engines, i)
+            if ref not in ready:
+                ray.cancel(ref, force=False)
+                results.append(
+                    EngineCallResult(
+                        i,
+                        error=WeightTransferError(
+                            f"{label}: {what} took longer than {self.config.timeout_s:g}s"
+                        ),
+                    )
+                )
+                continue
+            from engines.client import get
+
+            try:
+                results.append(EngineCallResult(i, value=get(ref, 0, label)))
+            except Exception as exc:  # noqa: BLE001 - kept per engine
+                results.append(EngineCallResult(i, error=exc))
+        if not all(r.ok for r in results):
+            error = failure_of(self.engines, results, what)
+            self.abort(f"{what} failed: {error}")
+            raise error
+        return [r.value for r in results]
+
+    def verify(self, version: int, checksums: dict[str, str]) -> None:
+        results = self._call("verify_weight_sync", version, checksums, only=self._open)
+        if not all(r.ok for r in results):
+            error = failure_of(self.engines, results, f"verify version {version}")
+            self.abort(f"verify failed: {error}")
+            raise error
+
+    def finish(self, version: int) -> None:
+        results = self._call("finish_weight_sync", version, only=self._open)
+        self._open = []
+        if not all(r.ok for r in results):
+            # Engines that failed here aborted themselves (or died); those that
+            # committed serve the new version, consistently.
+            raise failure_of(self.engines, results, f"finish sync to version {version}")
+
+    def abort(self, reason: str) -> list[EngineCallResult]:
+        """Abort the sync on every engine that began it (idempotent on each)."""
+        if not self._open:
+            return []
+        results = self._call("abort_weight_sync", reason, only=self._open)
+        self._open = []
+        for r in results:
+            if r.ok:
+                logger.warning(
+                    "aborted sync on %s: %s", engine_label(self.engines, r.engine), r.value
+                )
+            else:
+                logger.error(
+                    "abort on %s failed: %s", engine_label(self.engines, r.engine), r.error
+                )
+        return results

@@ -1,0 +1,385 @@
+"""Trainer-side senders, one per transport, with one lifecycle:
+`init(engines)` -> `sync(weights, version)` (as often as needed) -> `close()`.
+
+`weights` is a sequence of (HF name, tensor), e.g. `list(model.named_parameters())`.
+Each `sync` is two-phase over all engines (see `coordinator`): a failure
+anywhere aborts the sync everywhere, and raises `WeightSyncError` (recoverable;
+the broadcast group is rebuilt on the next sync) or `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from engines.client import call_engines, raise_first_error
+from engines.weight_sync import checkpoint, cuda_ipc
+from engines.weight_sync.broadcast import WeightGroup, free_port
+from engines.weight_sync.buckets import iter_buckets, pack_bucket, plan_buckets
+from engines.weight_sync.checksum import checksum, checksums
+from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
+from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport, as_engine_list
+from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+Weights = Sequence[tuple[str, Any]]
+
+
+def _weights(weights: Any) -> list[tuple[str, Any]]:
+    weights = list(weights)
+    if not weights:
+        raise ValueError("no weights to sync")
+    return [(name, t.detach()) for name, t in weights]
+
+
+class BroadcastSender:
+    """Rank 0 of a process group with every engine worker: gloo on CPU, NCCL
+    on GPU. Parameters travel in flat buckets of `config.bucket_bytes`, with
+    one control call per engine per sync."""
+
+    transport = "broadcast"
+
+    def __init__(
+        self,
+        config: SyncConfig | None = None,
+        *,
+        backend: str = "gloo",
+        group_name: str = DEFAULT_GROUP_NAME,
+        master_address: str | None = None,
+        device: Any = "cpu",
+    ):
+        self.config = config or SyncConfig()
+        self.backend = backend
+        self.group_name = group_name
+        self.master_address = master_address
+        self.device = device
+        self.engines: list[Any] = []
+        self.group: WeightGroup | None = None
+        self.info: GroupInfo | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def init(self, engines: list[Any]) -> GroupInfo:
+        """Build the group with `engines` (replacing any earlier group)."""
+        import ray
+
+        if not engines:
+            raise ValueError("no engines to sync")
+        self.close()
+        self.engines = as_engine_list(engines)
+        timeout = self.config.timeout_s
+        sizes = raise_first_error(
+            call_engines(self.engines, "num_weight_workers", timeout_s=timeout)
+        )
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        address = self.master_address or ray.util.get_node_ip_address()
+        info = GroupInfo(
+            address, free_port(), 1 + sum(sizes), self.group_name, self.backend, timeout
+        )
+        refs = [
+            engine.init_process_group.remote(
+                info.master_address,
+                info.master_port,
+                offset,
+                info.world_size,
+                info.group_name,
+                info.backend,
+                False,
+                timeout,
+            )
+            for engine, offset in zip(self.engines, offsets, strict=True)
+        ]
+        try:
+            group = WeightGroup(info, rank=0, device=self.device)
+        except WeightSyncError:
+            for ref in refs:
+                ray.cancel(ref, force=False)
+            raise
+        try:
+            Coordinator(self.engines, self.config).collect(refs, "join the weight group")
+        except BaseException:
+            group.destroy()
+            raise
+        self.group, self.info = group, info
+        logger.info(
+            "weight group %s:%d ready: %d engines, world %d",
+            address,
+            info.master_port,
+            len(self.engines),
+            info.world_size,
+        )
+        return info
+
+    def close(self) -> None:
+        """Tear the group down on both sides (best effort on the engines)."""
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        if self.engines:
+            for result in call_engines(
+                self.engines, "destroy_weight_group", timeout_s=self.config.timeout_s
+            ):
+                if not result.ok:
+                    logger.warning(
+                        "engine %d: leaving the weight group failed: %s",
+                        result.engine,
+                        result.error,
+                    )
+
+    def _group_intact(self) -> bool:
+        """Our group is up, and every engine worker is still in it (a failed
+        sync tears groups down; another trainer may have taken the engines)."""
+        if self.group is None or not self.group.alive:
+            logger.info("weight group is down: rebuilding it")
+            return False
+        ids = raise_first_error(
+            call_engines(self.engines, "weight_group_ids", timeout_s=self.config.timeout_s)
+        )
+        if any(i != self.group.group_id for per_engine in ids for i in per_engine):
+            logger.warning("engines left weight group %s: rebuilding it", self.group.group_id)
+            return False
+        return True
+
+    # --- one sync ----------------------------------------------------------------------------
+    def sync(self, weights: Weights, version: int) -> SyncReport:
+        """Push `weights` as `version` to every engine: `start`, send every
+        bucket, `finish`."""
+        transfer = self.start(weights, version)
+        transfer.send()
+        return transfer.finish()
+
+    def start(self, weights: Weights, version: int) -> BroadcastTransfer:
+        """Check the manifest on every engine, open the sync (engines pause),
+        and have them wait for the buckets. Rebuilds the group if a failed
+        sync tore it down."""
+        if not self.engines:
+            raise WeightSyncError("call init(engines) before sync")
+        weights = _weights(weights)
+        manifest = Manifest.of(weights)
+        coordinator = Coordinator(self.engines, self.config)
+        phases = Phases()
+        coordinator.check(manifest)
+        if not self._group_intact():
+            self.init(self.engines)
+        phases.done("check")
+        coordinator.begin(version, manifest)
+        phases.done("begin")
+        return BroadcastTransfer(self, coordinator, weights, manifest, version, phases)
+
+
+class BroadcastTransfer:
+    """One sync in flight (from `BroadcastSender.start`): `send` the buckets,
+    then `finish`. Any failure aborts the sync on every engine and raises."""
+
+    def __init__(
+        self,
+        sender: BroadcastSender,
+        coordinator: Coordinator,
+        weights: list,
+        manifest: Manifest,
+        version: int,
+        phases: Phases,
+    ):
+        import torch
+
+        self.sender, self.coordinator, self.version, self.phases = (
+            sender,
+            coordinator,
+            version,
+            phases,
+        )
+        self.weights, self.manifest = weights, manifest
+        self.plan = plan_buckets(manifest, sender.config.bucket_bytes)
+        self.sent = 0
+        self._buckets = iter_buckets(self.plan, weights)
+        self._buffer = torch.empty(
+            max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8, device=sender.device
+        )
+        plan = self.plan.model_dump(mode="json")
+        self._refs = [
+            e.receive_weight_buckets.remote(plan, sender.config.verify) for e in sender.engines
+        ]
+
+    @property
+    def remaining(self) -> int:
+        return len(self.plan.buckets) - self.sent
+
+    def send(self, buckets: int | None = None) -> int:
+        """Broadcast the next `buckets` buckets (default: all left); returns
+        how many were sent."""
+        count = self.remaining if buckets is None else min(buckets, self.remaining)
+        try:
+            for _ in range(count):
+                bucket, tensors = next(self._buckets)
+                flat = pack_bucket(bucket, tensors, out=self._buffer[: bucket.nbytes])
+                self.sender.group.broadcast(flat, src=0)
+                self.sent += 1
+        except Exception as exc:
+            # Tear the group down (a failed broadcast already did), so the
+            # engines' receives fail now instead of at their deadline; learn
+            # which engines are dead (that error wins), then abort the rest.
+            if self.sender.group is not None:
+                self.sender.group.destroy()
+            try:
+                self.coordinator.collect(self._refs, f"receive version {self.version}")
+            except Exception as engine_error:  # noqa: BLE001 - the more specific error
+                raise engine_error from exc
+            self.coordinator.abort(str(exc))
+            raise
+        return count
+
+    def finish(self) -> SyncReport:
+        """Wait for every engine to load, verify, commit the new version."""
+        if self.remaining:
+            self.coordinator.abort(f"finish called with {self.remaining} buckets unsent")
+            raise WeightSyncError(f"{self.remaining} buckets were not sent; the sync was aborted")
+        config = self.sender.config
+        self.coordinator.collect(self._refs, f"receive version {self.version}")
+        self.phases.done("transfer")
+        if config.verify:
+            self.coordinator.verify(self.version, checksums(self.weights))
+            self.phases.done("verify")
+        self.coordinator.finish(self.version)
+        self.phases.done("finish")
+        return SyncReport(
+            self.version,
+            self.sender.transport,
+            len(self.sender.engines),
+            bytes=self.manifest.nbytes,
+            buckets=len(self.plan.buckets),
+            seconds=self.phases.total,
+            verified=config.verify,
+            phases=self.phases.times,
+        )
+
+
+class CudaIpcSender:
+    """For engines on the trainer's own GPU(s): each bucket is packed into a
+    GPU buffer whose CUDA IPC handle the engines open and copy from (no NCCL:
+    one GPU cannot hold two NCCL ranks). With `wake_up`, engines put to sleep
+    during training get their weights back first and their KV cache after."""
+
+    transport = "cuda_ipc"
+
+    def __init__(
+        self, config: SyncConfig | None = None, *, wake_up: bool = True, gather_handles: Any = None
+    ):
+        self.config = config or SyncConfig()
+        self.wake_up = wake_up
+        # Multi-rank trainers: a function from this rank's handles to all
+        # ranks' (e.g. all_gather_object then cuda_ipc.merge_handles).
+        self.gather_handles = gather_handles
+        self.engines: list[Any] = []
+
+    def init(self, engines: list[Any]) -> None:
+        if not engines:
+            raise ValueError("no engines to sync")
+        self.engines = as_engine_list(engines)
+
+    def close(self) -> None:
+        self.engines = []
+
+    def _wake(self, tags: list[str]) -> None:
+        if self.wake_up:
+            raise_first_error(
+                call_engines(self.engines, "wake_up", tags, timeout_s=self.config.timeout_s)
+            )
+
+    def sync(self, weights: Weights, version: int) -> SyncReport:
+        import torch
+
+        if not self.engines:
+            raise WeightSyncError("call init(engines) before sync")
+        weights = _weights(weights)
+        if not all(t.is_cuda for _, t in weights):
+            raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
+        manifest = Manifest.of(weights)
+        plan = plan_buckets(manifest, self.config.bucket_bytes)
+        coordinator = Coordinator(self.engines, self.config)
+        phases = Phases()
+        coordinator.check(manifest)
+        self._wake(["weights"])
+        phases.done("check")
+        coordinator.begin(version, manifest)
+        phases.done("begin")
+        device = weights[0][1].device
+        buffer = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8, device=device)
+        try:
+            for bucket, tensors in iter_buckets(plan, weights):
+                pack_bucket(bucket, tensors, out=buffer[: bucket.nbytes])
+                torch.cuda.synchronize(device)
+                handles = cuda_ipc.share(buffer)
+                if self.gather_handles is not None:
+                    handles = self.gather_handles(handles)
+                blob = cuda_ipc.dumps(handles)
+                refs = [
+                    e.receive_weight_bucket_ipc.remote(
+                        bucket.model_dump(mode="json"), blob, self.config.verify
+                    )
+                    for e in self.engines
+                ]
+                # The engines copy out of `buffer` before answering: only then
+                # may the next bucket overwrite it.
+                coordinator.collect(refs, f"receive version {version} (CUDA IPC)")
+        except Exception as exc:
+            coordinator.abort(f"CUDA IPC transfer failed: {exc}")  # no-op if collect did
+            raise
+        torch.cuda.ipc_collect()
+        phases.done("transfer")
+        if self.config.verify:
+            coordinator.verify(version, checksums(weights))
+            phases.done("verify")
+        coordinator.finish(version)
+        self._wake(["kv_cache"])
+        phases.done("finish")
+        return SyncReport(
+            version,
+            self.transport,
+            len(self.engines),
+            bytes=manifest.nbytes,
+            buckets=len(plan.buckets),
+            seconds=phases.total,
+            verified=self.config.verify,
+            phases=phases.times,
+        )
+
+
+def sync_from_checkpoint(
+    engines: list[Any], path: str, version: int | None = None, config: SyncConfig | None = None
+) -> SyncReport:
+    """Engines load a safetensors checkpoint directory (HF layout) that a
+    trainer outside the cluster wrote (`checkpoint.save`); two-phase like the
+    other transports. The version is `version`, else the one stored in the
+    checkpoint."""
+    config = config or SyncConfig()
+    manifest = checkpoint.read_manifest(path)
+    if version is None:
+        version = checkpoint.read_version(path)
+        if version is None:
+            raise WeightSyncError(f"{path} stores no weight version; pass version=")
+    coordinator = Coordinator(engines, config)
+    phases = Phases()
+    coordinator.check(manifest)
+    phases.done("check")
+    coordinator.begin(version, manifest)
+    phases.done("begin")
+    refs = [e.load_weights_from_path.remote(str(path), config.verify) for e in engines]
+    coordinator.collect(refs, f"load {path}")
+    phases.done("transfer")
+    if config.verify:
+        coordinator.verify(version, {n: checksum(t) for n, t in checkpoint.iter_tensors(path)})
+        phases.done("verify")
+    coordinator.finish(version)
+    phases.done("finish")
+    return SyncReport(
+        version,
+        "checkpoint",
+        len(engines),
+        bytes=manifest.nbytes,
+        buckets=0,
+        seconds=phases.total,
+        verified=config.verify,
+        phases=phases.times,
+    )

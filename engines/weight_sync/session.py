@@ -1,0 +1,66 @@
+"""The state of one weight sync on an engine actor, and its watchdog.
+
+A sync opens (generation paused), receives, and closes by commit or abort.
+If the trainer disappears between calls, nothing would ever close it: the
+watchdog aborts a session that has had no call running for `idle_timeout_s`,
+so an engine never stays paused on half-loaded weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncSession:
+    version: int
+    on_failure: str  # "restore" | "stale"
+    idle_timeout_s: float
+    implicit: bool = False  # opened by an OpenRLHF-style update_weight call
+    touched: bool = False  # some weights were (maybe partly) loaded
+    active_calls: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    watchdog: asyncio.Task | None = None
+
+    @asynccontextmanager
+    async def call(self):
+        """Wrap every call that works inside the session: the watchdog waits."""
+        self.active_calls += 1
+        try:
+            yield self
+        finally:
+            self.active_calls -= 1
+            self.last_activity = time.monotonic()
+
+    def idle_for(self) -> float:
+        return 0.0 if self.active_calls else time.monotonic() - self.last_activity
+
+    def start_watchdog(self, on_expiry: Callable[[SyncSession], Awaitable[None]]) -> None:
+        async def watch() -> None:
+            while True:
+                remaining = self.idle_timeout_s - self.idle_for()
+                if remaining <= 0:
+                    logger.error(
+                        "weight sync to version %d had no call for %.0fs: aborting it",
+                        self.version,
+                        self.idle_timeout_s,
+                    )
+                    await on_expiry(self)
+                    return
+                await asyncio.sleep(remaining if not self.active_calls else self.idle_timeout_s)
+
+        self.watchdog = asyncio.get_running_loop().create_task(watch())
+
+    def stop_watchdog(self) -> None:
+        if self.watchdog is not None and self.watchdog is not asyncio.current_task():
+            self.watchdog.cancel()
+        self.watchdog = None

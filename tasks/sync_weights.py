@@ -1,0 +1,55 @@
+"""Prefect tasks of weight sync: connect the policy to the engines once, then
+push the policy's weights between iterations (a row per sync for the run's
+table: version, bytes, seconds, GB/s)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from engines.client import get
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def init_weight_sync(
+    policy: Any, engines: list[Any], *, timeout_s: float = 120.0, **options: Any
+) -> dict[str, Any]:
+    """Connect the policy to `engines` (for the broadcast transport: build the
+    process group). `options` override the policy config's transport settings."""
+    logger = get_run_logger()
+    info = get(policy.init_weight_sync.remote(engines, **options), timeout_s, "policy")
+    logger.info("weight sync ready: %s", info)
+    return info
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def sync_weights(
+    policy: Any, engines: list[Any], *, iteration: int, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Push the policy's current weights to `engines` (pass the pool's current
+    handles: replaced engines are reconnected and synced). Raises
+    `WeightSyncError` (recoverable: retry) or `EngineDeadError`."""
+    logger = get_run_logger()
+    report = get(policy.sync_weights.remote(engines), timeout_s, "policy")
+    row = {
+        "iteration": iteration,
+        "version": report["version"],
+        "bytes": report["bytes"],
+        "seconds": report["seconds"],
+        "gb_per_s": report["gb_per_s"],
+        "skipped": report["skipped"],
+    }
+    if report["skipped"]:
+        logger.info("iteration %d: engines already serve version %d", iteration, row["version"])
+    else:
+        logger.info(
+            "iteration %d: synced version %d, %d bytes in %.3fs (%.3f GB/s)",
+            iteration,
+            row["version"],
+            row["bytes"],
+            row["seconds"],
+            row["gb_per_s"],
+        )
+    return row

@@ -1,0 +1,88 @@
+"""Manifest comparison, dtype names and checksums (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from engines.weight_sync.checksum import checksum
+from engines.weight_sync.errors import ManifestMismatchError
+from engines.weight_sync.manifest import Manifest, check_manifest, dtype_name, mismatches
+
+
+def manifest(**shapes) -> Manifest:
+    return Manifest.of((name, torch.zeros(*shape)) for name, shape in shapes.items())
+
+
+def test_equal_manifests_have_no_mismatch():
+    m = manifest(w=(2, 3), b=(3,))
+    assert mismatches(m, m) == []
+    check_manifest(m, m)
+
+
+def test_each_kind_of_mismatch_names_the_parameter():
+    engine = manifest(w=(2, 3), b=(3,), k=(4,))
+    trainer = Manifest.of(
+        [
+            ("w", torch.zeros(3, 2)),
+            ("b", torch.zeros(3, dtype=torch.bfloat16)),
+            ("x", torch.zeros(1)),
+        ]
+    )
+    problems = mismatches(engine, trainer)
+    assert problems == [
+        "'w': shape [3, 2] from the trainer, [2, 3] on the engine",
+        "'b': dtype bfloat16 from the trainer, float32 on the engine",
+        "'x': the engine has no such parameter",
+        "the trainer does not send 'k'",
+    ]
+    with pytest.raises(
+        ManifestMismatchError, match="engine-7: weight manifest mismatch: 'w': shape"
+    ):
+        check_manifest(engine, trainer, engine="engine-7")
+
+
+def test_partial_manifest_only_when_allowed():
+    engine = manifest(w=(2,), b=(3,))
+    trainer = manifest(w=(2,))
+    assert mismatches(engine, trainer, allow_partial=True) == []
+    assert mismatches(engine, trainer) == ["the trainer does not send 'b'"]
+
+
+def test_duplicate_names_and_bad_dtypes_are_rejected():
+    with pytest.raises(ValidationError, match="'w' appears twice"):
+        Manifest.of([("w", torch.zeros(1)), ("w", torch.zeros(1))])
+    with pytest.raises(ValueError, match="'floaty' is not a torch dtype"):
+        dtype_name("floaty")
+    assert dtype_name(torch.bfloat16) == dtype_name("torch.bfloat16") == "bfloat16"
+    assert dtype_name("float") == "float32"
+
+
+def test_checksum_sees_any_changed_or_moved_byte():
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    assert checksum(t) == checksum(t.clone())
+    flipped = t.clone()
+    flipped.view(torch.uint8)[1234] ^= 1
+    assert checksum(flipped) != checksum(t)
+    swapped = t.clone()
+    swapped[[3, 700]] = swapped[[700, 3]]
+    assert checksum(swapped) != checksum(t)
+    assert checksum(t[:-1]) != checksum(t)
+    # Same bytes, any dtype or shape: the manifest checks those.
+    assert checksum(t.view(10, 100)) == checksum(t)
+    assert checksum(t.to(torch.bfloat16)) != checksum(t)
+
+
+def test_checksum_across_chunks_and_odd_byte_layouts():
+    from engines.weight_sync import checksum as module
+
+    words = module._CHUNK  # int16 words per chunk
+    a = torch.arange(words, dtype=torch.int16)
+    two_chunks = torch.cat([a, a.flip(0)])
+    swapped = torch.cat([a.flip(0), a])
+    assert checksum(two_chunks) != checksum(swapped)
+    odd = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    assert checksum(odd) != checksum(torch.tensor([1, 2, 3, 0], dtype=torch.uint8))
+    base = torch.arange(10, dtype=torch.uint8)
+    assert checksum(base[1:5]) == checksum(base[1:5].clone())  # odd storage offset

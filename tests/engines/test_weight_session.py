@@ -1,0 +1,251 @@
+"""The sync session of the engine actor (`WeightUpdateAPI`) on a fake engine:
+the real mixin and worker extension over a small torch module, with the
+checkpoint transport (no process group needed). Real engines are in
+test_weight_sync_engines.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engines.config import EngineConfig
+from engines.weight_api import WeightUpdateAPI
+from engines.weight_sync import checkpoint
+from engines.weight_sync.buckets import plan_buckets
+from engines.weight_sync.checksum import checksums
+from engines.weight_sync.errors import (
+    ChecksumMismatchError,
+    ManifestMismatchError,
+    WeightSyncError,
+    WeightTransferError,
+    WeightVersionError,
+)
+from engines.weight_sync.manifest import Manifest
+from engines.worker_extension import WeightSyncWorkerExtension
+
+
+class FakeWorker(WeightSyncWorkerExtension):
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = torch.device("cpu")
+        self.rank = 0
+
+    def _model(self):
+        return self.model
+
+
+class FakeEngine(WeightUpdateAPI):
+    """The engine-actor surface the mixin relies on, and nothing else."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.config = EngineConfig(
+            name="fake-0",
+            pretrain="/nowhere",
+            max_len=16,
+            seed=0,
+            gpu_memory_utilization=0.5,
+            rpc_timeout_s=5.0,
+        )
+        self.weight_version = 0
+        self.stale = False
+        self.paused = False
+        self.prefix_resets = 0
+        self.worker = FakeWorker(model)
+
+    async def pause_generation(self):
+        self.paused = True
+
+    async def resume_generation(self):
+        self.paused = False
+
+    async def reset_prefix_cache(self):
+        self.prefix_resets += 1
+        return True
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        function = getattr(self.worker, method)
+        return [await asyncio.to_thread(function, *args, **(kwargs or {}))]
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 3)
+
+
+def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def assert_state(module: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    for name, tensor in module.named_parameters():
+        assert torch.equal(tensor.detach(), expected[name]), name
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine(model(0))
+
+
+@pytest.fixture
+def new_weights(tmp_path):
+    trained = model(1)
+    path = checkpoint.save(trained.named_parameters(), tmp_path / "v1", version=1)
+    return str(path), state(trained)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_full_sync_serves_the_new_version(engine, new_weights):
+    path, expected = new_weights
+
+    async def sync():
+        manifest = checkpoint.read_manifest(path).model_dump(mode="json")
+        await engine.begin_weight_sync(1, manifest)
+        assert engine.paused
+        await engine.load_weights_from_path(path)
+        return await engine.finish_weight_sync(1, checksums(expected.items()))
+
+    report = run(sync())
+    assert report["verified"] and report["version"] == 1
+    assert_state(engine.worker.model, expected)
+    assert (engine.weight_version, engine.stale, engine.paused, engine.prefix_resets) == (
+        1,
+        False,
+        False,
+        1,
+    )
+
+
+def test_bad_version_or_manifest_changes_nothing(engine, new_weights):
+    path, _ = new_weights
+    before = state(engine.worker.model)
+    engine.weight_version = 3
+    with pytest.raises(WeightVersionError, match="serves version 3; a sync must not go back to 2"):
+        run(engine.begin_weight_sync(2))
+    engine.weight_version = 0
+    wrong = Manifest.of([("weight", torch.zeros(4, 3)), ("bias", torch.zeros(3))])
+    with pytest.raises(ManifestMismatchError, match=r"'weight': shape \[4, 3\] from the trainer"):
+        run(engine.begin_weight_sync(1, wrong.model_dump(mode="json")))
+    with pytest.raises(WeightSyncError, match="no weight sync open"):
+        run(engine.load_weights_from_path(path))
+    assert_state(engine.worker.model, before)
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
+    assert engine._weight_session is None
+
+
+def partial_checkpoint(tmp_path, new_weights) -> str:
+    """Loading stops part-way: the first tensor loads, the second has no home."""
+    _, expected = new_weights
+    tensors = [("bias", expected["bias"]), ("zzz.not_in_model", torch.zeros(2))]
+    return str(checkpoint.save(tensors, tmp_path / "bad", version=1))
+
+
+def test_failure_part_way_restores_the_old_weights(engine, new_weights, tmp_path):
+    before = state(engine.worker.model)
+    bad = partial_checkpoint(tmp_path, new_weights)
+
+    async def sync():
+        await engine.begin_weight_sync(1, None, on_failure="restore")
+        await engine.load_weights_from_path(bad)
+
+    with pytest.raises(WeightSyncError, match="zzz.not_in_model"):
+        run(sync())
+    assert_state(engine.worker.model, before)
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
+    assert engine._weight_session is None
+
+
+def test_failure_part_way_without_backup_marks_the_engine_stale(engine, new_weights, tmp_path):
+    bad = partial_checkpoint(tmp_path, new_weights)
+
+    async def sync():
+        await engine.begin_weight_sync(1, None, on_failure="stale")
+        await engine.load_weights_from_path(bad)
+
+    with pytest.raises(WeightSyncError):
+        run(sync())
+    # Resumed, so requests get the engine's stale error instead of waiting.
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, True, False)
+
+
+def test_checksum_mismatch_aborts(engine, new_weights):
+    path, expected = new_weights
+    before = state(engine.worker.model)
+    wrong = checksums(expected.items())
+    wrong["bias"] = "0-0-0"
+
+    async def sync():
+        await engine.begin_weight_sync(1, None, on_failure="restore")
+        await engine.load_weights_from_path(path)
+        await engine.finish_weight_sync(1, wrong)
+
+    with pytest.raises(ChecksumMismatchError, match="'bias'"):
+        run(sync())
+    assert_state(engine.worker.model, before)
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
+
+
+def test_receive_without_a_group_is_a_transfer_error(engine, new_weights):
+    _, expected = new_weights
+    plan = plan_buckets(Manifest.of(expected.items()), 1 << 20).model_dump(mode="json")
+
+    async def sync():
+        await engine.begin_weight_sync(1, None, on_failure="restore")
+        with pytest.raises(WeightSyncError, match="invalid BucketPlan"):
+            await engine.receive_weight_buckets({"buckets": []})
+        assert engine.paused  # bad input: refused before anything was touched
+        await engine.receive_weight_buckets(plan)
+
+    with pytest.raises(WeightTransferError, match="init_process_group"):
+        run(sync())
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
+
+
+def test_a_silent_trainer_is_aborted_by_the_watchdog(engine):
+    async def sync():
+        await engine.begin_weight_sync(1, None, idle_timeout_s=0.2)
+        assert engine.paused
+        await asyncio.sleep(0.6)
+
+    run(sync())
+    assert engine._weight_session is None
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
+
+
+class SlowWorker(FakeWorker):
+    """Loads after a delay: an abort arrives while the receive is in flight."""
+
+    def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
+        import time
+
+        time.sleep(0.3)
+        return super().load_weights_from_path(path, verify)
+
+
+@pytest.mark.parametrize("on_failure", ["stale", "restore"])
+def test_abort_during_a_receive_waits_for_it(new_weights, on_failure):
+    path, _ = new_weights
+    engine = FakeEngine(model(0))
+    engine.worker = SlowWorker(engine.worker.model)
+    before = state(engine.worker.model)
+
+    async def sync():
+        await engine.begin_weight_sync(1, None, on_failure=on_failure)
+        receive = asyncio.create_task(engine.load_weights_from_path(path))
+        await asyncio.sleep(0.05)  # the worker is inside its slow load
+        aborted = await engine.abort_weight_sync("trainer gave up")
+        await receive
+        return aborted
+
+    aborted = run(sync())
+    # The abort waited for the load to finish, then judged the weights.
+    if on_failure == "restore":
+        assert aborted["restored"] and not engine.stale
+        assert_state(engine.worker.model, before)
+    else:
+        assert not aborted["restored"] and engine.stale
+    assert (engine.weight_version, engine.paused) == (0, False)

@@ -1,0 +1,302 @@
+"""Weight sync into real engines: local Ray, the tiny model, the CPU backend,
+the reference policy actor as trainer, and outside trainer processes.
+
+The tests share one set of engines and run in file order: each leaves the
+engines consistent (a known version, not stale) for the next.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from engines import RequestError, SamplingParams, create_vllm_engines, destroy_engines
+from engines.client import get
+from engines.errors import EngineDeadError
+from engines.vllm_engine import replace_engine
+from engines.weight_sync import (
+    BroadcastSender,
+    ManifestMismatchError,
+    SyncConfig,
+    sync_from_checkpoint,
+)
+from engines.weight_sync.manifest import Manifest
+from training.policy import create_policy_actor
+
+HERE = Path(__file__).parent
+PREFIX = "test-wsync"
+# Fixed sequences whose per-token logprobs engines and trainer must agree on.
+SEQUENCES = [list(range(5, 45)), [7, 99, 3, 250, 18, 64, 64, 12], list(range(200, 212))]
+# Engines (left-padded batch, KV cache) and trainer (right-padded forward) run
+# the same float32 model through different kernels and paddings; measured
+# differences are ~1e-6.
+LOGPROB_ATOL = 1e-4
+TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model):
+    from conftest import start_local_ray
+
+    start_local_ray()
+    engines = create_vllm_engines(
+        2, tiny_model, max_len=256, gpu_memory_utilization=0.5, backend="hf", name_prefix=PREFIX
+    )
+    policy = create_policy_actor(
+        {"pretrain": tiny_model, "sync_timeout_s": TIMEOUT_S, "bucket_bytes": 64 * 1024}
+    )
+    ray.get([e.ready.remote() for e in engines] + [policy.health.remote()], timeout=180)
+    get(policy.init_weight_sync.remote(engines), 60)
+    yield engines, policy
+    ray.kill(policy)
+    destroy_engines(engines)
+
+
+def engine_logprobs(engine) -> list[list[float]]:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outputs = get(engine.generate.remote(SEQUENCES, params), 60)
+    return [
+        [
+            step[token]
+            for step, token in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
+        ]
+        for o in outputs
+    ]
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def health(engines) -> list[dict]:
+    return [get(e.health.remote(), 30) for e in engines]
+
+
+def engine_weights(engine, names) -> dict[str, torch.Tensor]:
+    return get(engine.read_weights.remote(names), 30)
+
+
+def assert_weights(engines, expected: dict[str, torch.Tensor]) -> None:
+    for engine in engines:
+        got = engine_weights(engine, list(expected))
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), name
+
+
+def policy_weights(policy) -> dict[str, torch.Tensor]:
+    names = [n for n, _ in get(policy.named_weights.remote(), 30)]
+    return get(policy.read_weights.remote(names), 30)
+
+
+def ray_address() -> tuple[str, str]:
+    context = ray.get_runtime_context()
+    return context.gcs_address, context.namespace
+
+
+def run_peer(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(HERE / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def wait_settled(engines, deadline_s: float) -> tuple[list[dict], float]:
+    """Poll until no engine is paused (the failed sync has been closed)."""
+    started = time.monotonic()
+    while True:
+        states = health(engines)
+        if not any(s["paused"] for s in states):
+            return states, time.monotonic() - started
+        if time.monotonic() - started > deadline_s:
+            raise AssertionError(f"engines still paused after {deadline_s}s: {states}")
+        time.sleep(0.2)
+
+
+def test_sync_makes_engines_match_the_trainer(setup):
+    engines, policy = setup
+    # The engines and the policy start from the same checkpoint.
+    assert (
+        max_diff(engine_logprobs(engines[0]), get(policy.sequence_logprobs.remote(SEQUENCES), 30))
+        < LOGPROB_ATOL
+    )
+    version = get(policy.perturb.remote(0.02, 1), 30)
+    trainer = get(policy.sequence_logprobs.remote(SEQUENCES), 30)
+    before = [engine_logprobs(e) for e in engines]
+    assert all(max_diff(b, trainer) > 1e-3 for b in before)
+
+    report = get(policy.sync_weights.remote(), 60)
+
+    assert report["version"] == version and report["verified"] and not report["skipped"]
+    assert report["bytes"] == sum(t.numel() * 4 for t in policy_weights(policy).values())
+    assert report["buckets"] > 1 and report["gb_per_s"] > 0
+    for engine in engines:
+        assert max_diff(engine_logprobs(engine), trainer) < LOGPROB_ATOL
+    assert_weights(engines, policy_weights(policy))
+    assert [(h["weight_version"], h["stale"], h["paused"]) for h in health(engines)] == [
+        (version, False, False)
+    ] * 2
+    out = get(engines[1].generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), 30)
+    assert out[0].weight_version == version
+    # Nothing new: nothing to send.
+    assert get(policy.sync_weights.remote(), 60)["skipped"]
+
+
+def test_manifest_mismatch_changes_nothing(setup):
+    engines, policy = setup
+    before_version = health(engines)[0]["weight_version"]
+    weights = policy_weights(policy)
+    good = Manifest.of(weights.items())
+    bad = Manifest.of(
+        [(n, t.T if n == "model.layers.1.mlp.down_proj.weight" else t) for n, t in weights.items()]
+    ).model_dump(mode="json")
+
+    for engine in engines:
+        with pytest.raises(
+            ManifestMismatchError, match="'model.layers.1.mlp.down_proj.weight': shape"
+        ):
+            get(engine.begin_weight_sync.remote(before_version + 1, bad), 30)
+        with pytest.raises(ManifestMismatchError, match="does not send 'lm_head.weight'"):
+            get(
+                engine.check_weight_manifest.remote(
+                    Manifest(params=good.params[:-1]).model_dump(mode="json")
+                ),
+                30,
+            )
+    assert [(h["weight_version"], h["stale"], h["paused"]) for h in health(engines)] == [
+        (before_version, False, False)
+    ] * 2
+    assert_weights(engines, weights)
+    # And the next sync is not blocked by a half-open one.
+    get(policy.perturb.remote(0.01, 2), 30)
+    assert get(policy.sync_weights.remote(), 60)["version"] == before_version + 1
+
+
+def test_trainer_killed_mid_sync_engines_restore_old_weights(setup):
+    engines, policy = setup
+    old = policy_weights(policy)
+    old_version = health(engines)[0]["weight_version"]
+    gcs, namespace = ray_address()
+    started = time.monotonic()
+    result = run_peer("dying_trainer.py", gcs, namespace, ",".join(engines.names), "3")
+    assert result.returncode == 17, result.stdout + result.stderr
+    assert "sent 3 of" in result.stdout
+
+    states, waited = wait_settled(engines, TIMEOUT_S + 10)
+    # The engines noticed within the collective deadline (gloo sees the closed
+    # sockets at once; the deadline bounds the hung-peer case).
+    assert waited < TIMEOUT_S + 5, f"took {waited:.1f}s after the trainer died"
+    assert [(s["weight_version"], s["stale"]) for s in states] == [(old_version, False)] * 2
+    assert_weights(engines, old)
+    out = get(engines[0].generate.remote([1, 2, 3], SamplingParams(max_tokens=2)), 30)
+    assert out[0].weight_version == old_version
+    assert time.monotonic() - started < 120
+
+
+def test_openrlhf_trainer_in_another_process_updates_the_engines(setup, tiny_model, tmp_path):
+    engines, policy = setup
+    old_version = health(engines)[0]["weight_version"]
+    gcs, namespace = ray_address()
+    out = tmp_path / "sent.pt"
+    result = run_peer(
+        "openrlhf_trainer.py", gcs, namespace, ",".join(engines.names), tiny_model, str(out)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    sent = torch.load(out)
+    assert_weights(engines, sent)
+    assert [(h["weight_version"], h["stale"], h["paused"]) for h in health(engines)] == [
+        (old_version + 1, False, False)
+    ] * 2
+    out_ = get(engines[0].generate.remote([1, 2, 3], SamplingParams(max_tokens=2)), 30)
+    assert out_[0].weight_version == old_version + 1
+
+
+def test_openrlhf_trainer_killed_mid_sync_leaves_engines_stale(setup, tiny_model, tmp_path):
+    engines, policy = setup
+    gcs, namespace = ray_address()
+    result = run_peer(
+        "openrlhf_trainer.py",
+        gcs,
+        namespace,
+        ",".join(engines.names),
+        tiny_model,
+        str(tmp_path / "sent.pt"),
+        "--die-after",
+        "5",
+    )
+    assert result.returncode == 17, result.stdout + result.stderr
+
+    states, waited = wait_settled(engines, TIMEOUT_S + 10)
+    assert waited < TIMEOUT_S + 5, f"took {waited:.1f}s after the trainer died"
+    # Five parameters of the new weights are in: the engines refuse work
+    # rather than serve the mix.
+    assert all(s["stale"] for s in states)
+    with pytest.raises(RequestError, match="stale weights"):
+        get(engines[0].generate.remote([1, 2, 3], SamplingParams(max_tokens=2)), 30)
+
+    # The engines left the policy's group for the outside trainer's (now
+    # torn down): the policy's next sync sees that and rebuilds its group.
+    get(policy.perturb.remote(0.01, 3), 30)
+    report = get(policy.sync_weights.remote(), 60)
+    assert not report["skipped"]
+    assert [s["stale"] for s in health(engines)] == [False, False]
+    assert_weights(engines, policy_weights(policy))
+
+
+def test_checkpoint_transport(setup, tmp_path):
+    engines, policy = setup
+    version = get(policy.perturb.remote(0.01, 4), 30)
+    path = get(policy.save_checkpoint.remote(str(tmp_path / "ckpt")), 60)
+    report = sync_from_checkpoint(engines, path, config=SyncConfig(timeout_s=30))
+    assert report.version == version and report.verified
+    assert_weights(engines, policy_weights(policy))
+    assert [h["weight_version"] for h in health(engines)] == [version] * 2
+
+
+def test_engine_killed_mid_sync(setup):
+    """Last: it kills an engine. The trainer's sync fails within the deadline
+    naming the dead engine; the survivor restores its weights; the replaced
+    engine is brought in line by the next sync."""
+    engines, policy = setup
+    old = policy_weights(policy)
+    old_version = health(engines)[0]["weight_version"]
+    weights = [(n, t + 0.5) for n, t in old.items()]
+    sender = BroadcastSender(
+        SyncConfig(bucket_bytes=16 * 1024, timeout_s=TIMEOUT_S, on_failure="restore")
+    )
+    sender.init(engines)
+    transfer = sender.start(weights, old_version + 1)
+    transfer.send(2)
+    ray.kill(engines[1], no_restart=True)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match=engines.names[1]):
+        transfer.send()
+        transfer.finish()
+    assert time.monotonic() - started < TIMEOUT_S + 5
+    (state,) = health(engines[:1])
+    assert (state["weight_version"], state["stale"], state["paused"]) == (old_version, False, False)
+    assert_weights(engines[:1], old)
+    sender.close()
+
+    # The flow replaces the dead engine (same name and bundle, fresh weights
+    # of version 0) and passes the new set to the next sync: the policy
+    # reconnects and brings both engines to its version.
+    replace_engine(engines, 1)
+    get(engines[1].ready.remote(), 120)
+    report = get(policy.sync_weights.remote(engines), 60)
+    assert not report["skipped"]
+    assert [(h["weight_version"], h["stale"]) for h in health(engines)] == [
+        (report["version"], False)
+    ] * 2
+    assert_weights(engines, policy_weights(policy))

@@ -1,0 +1,33 @@
+"""Configuration of the reference policy (checked where it enters: the actor)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PolicyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pretrain: str = Field(description="Model directory (HF layout) the engines also loaded.")
+    seed: int = 0
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    clip_eps: float = Field(0.2, gt=0.0, description="PPO ratio clip.")
+    max_staleness: int = Field(
+        0, ge=0, description="Versions a rollout may lag the policy (0: strictly on-policy)."
+    )
+    torch_threads: int = Field(1, ge=1)
+    device: str = "cpu"
+    # Weight sync
+    transport: Literal["broadcast", "cuda_ipc", "checkpoint"] = "broadcast"
+    sync_backend: Literal["gloo", "nccl"] = "gloo"
+    bucket_bytes: int = Field(1 << 30, ge=1024)
+    sync_timeout_s: float = Field(60.0, gt=0.0)
+    verify: bool = True
+    on_failure: Literal["restore", "stale"] = "stale"
+    checkpoint_dir: str | None = Field(
+        None, description="Where the checkpoint transport writes (shared with the engines)."
+    )

@@ -1,0 +1,50 @@
+"""The math of a GRPO-style update: group-relative advantages, per-token
+logprobs under the policy, and the clipped policy-gradient loss. Pure
+functions over torch tensors (torch imported by the caller's process)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """(r - mean) / std within one prompt's samples; all zero when the
+    samples tie (no signal, no update)."""
+    if not rewards:
+        raise ValueError("a group needs at least one reward")
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    if std < eps:
+        return [0.0] * len(rewards)
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> list[Any]:
+    """For each sequence, the logprob of tokens 1..n-1 given their prefix
+    (position t's logits predict token t+1), as a 1-D tensor with grad.
+    Right padding: real tokens keep positions 0..n-1, as in an unpadded forward."""
+    import torch
+
+    device = next(model.parameters()).device
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    picked = logprobs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
+    return [picked[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
+
+
+def clipped_loss(new: Any, old: Any, advantage: float, clip_eps: float) -> Any:
+    """PPO's clipped surrogate for one sample, averaged over its tokens. With
+    `old == new.detach()` (strictly on-policy) it is REINFORCE with a baseline."""
+    import torch
+
+    ratio = torch.exp(new - old)
+    unclipped = ratio * advantage
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantage
+    return -torch.minimum(unclipped, clipped).mean()

@@ -1,0 +1,181 @@
+"""The reference policy: a transformers causal LM trained with a GRPO-style
+step, meant to run as a Ray actor (`create_policy_actor`) next to the engines.
+It is the smallest real trainer, for the CPU tests and demo flow; large
+models plug in their own `Trainer`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from training.config import PolicyConfig
+from training.grpo import clipped_loss, group_advantages, token_logprobs
+from training.rollouts import RolloutGroup, StaleRolloutError
+from training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class ReferencePolicy(Trainer):
+    def __init__(self, config: PolicyConfig | dict):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.config = PolicyConfig.model_validate(config)
+        torch.set_num_threads(self.config.torch_threads)
+        torch.manual_seed(self.config.seed)
+        self.device = torch.device(self.config.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.config.pretrain, dtype=torch.float32
+        ).to(self.device)
+        # No dropout in the models we train; eval() keeps the forward identical
+        # to the engines', while autograd still works.
+        self.model.eval()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.config.learning_rate,
+            weight_decay=self.config.weight_decay,
+        )
+        self.weight_version = 0
+        logger.info("policy %s loaded on %s", self.config.pretrain, self.device)
+
+    # --- Trainer ------------------------------------------------------------------------
+    def named_weights(self) -> list[tuple[str, Any]]:
+        return [(name, p.detach()) for name, p in self.model.named_parameters()]
+
+    def init_weight_sync(self, engines: list[Any], **kwargs: Any) -> dict[str, Any]:
+        """As `Trainer.init_weight_sync`, with defaults from the config."""
+        c = self.config
+        kwargs.setdefault("transport", c.transport)
+        kwargs.setdefault("backend", c.sync_backend)
+        kwargs.setdefault("checkpoint_dir", c.checkpoint_dir)
+        kwargs.setdefault(
+            "sync_config",
+            dict(
+                bucket_bytes=c.bucket_bytes,
+                timeout_s=c.sync_timeout_s,
+                verify=c.verify,
+                on_failure=c.on_failure,
+            ),
+        )
+        return super().init_weight_sync(engines, **kwargs)
+
+    def train_step(self, groups: list[RolloutGroup | dict]) -> dict[str, Any]:
+        import torch
+
+        started = time.monotonic()
+        groups = [RolloutGroup.model_validate(g) for g in groups]
+        if not groups:
+            raise ValueError("train_step needs at least one rollout group")
+        self._check_fresh(groups)
+        samples, advantages = [], []
+        for group in groups:
+            samples += group.samples
+            advantages += group_advantages(group.rewards)
+        rewards = [r for g in groups for r in g.rewards]
+        trained = [
+            (s, a)
+            for s, a in zip(samples, advantages, strict=True)
+            if a != 0.0 and s.completion_token_ids
+        ]
+        loss_value, grad_norm = 0.0, 0.0
+        if trained:
+            sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
+            per_seq = token_logprobs(self.model, sequences, self.pad_id)
+            losses = []
+            for (sample, advantage), logprobs in zip(trained, per_seq, strict=True):
+                new = logprobs[len(sample.prompt_token_ids) - 1 :]
+                old = (
+                    torch.tensor(sample.logprobs, device=new.device)
+                    if sample.logprobs is not None
+                    else new.detach()
+                )
+                losses.append(clipped_loss(new, old, advantage, self.config.clip_eps))
+            loss = torch.stack(losses).mean()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            )
+            self.optimizer.step()
+            loss_value = float(loss.detach())
+        # Every step makes a new version, even one without signal: what the
+        # engines serve is then unambiguous.
+        self.weight_version += 1
+        return {
+            "version": self.weight_version,
+            "loss": loss_value,
+            "grad_norm": grad_norm,
+            "mean_reward": sum(rewards) / len(rewards),
+            "samples": len(samples),
+            "trained_samples": len(trained),
+            "seconds": time.monotonic() - started,
+        }
+
+    def _check_fresh(self, groups: list[RolloutGroup]) -> None:
+        oldest = min(s.weight_version for g in groups for s in g.samples)
+        if self.weight_version - oldest > self.config.max_staleness:
+            raise StaleRolloutError(
+                f"rollouts from weight version {oldest}, policy is at {self.weight_version} "
+                f"(max_staleness={self.config.max_staleness}): sync the engines before generating"
+            )
+
+    # --- inspection ------------------------------------------------------------------------
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of tokens 1..n-1 of each sequence (the engines' prompt_logprobs)."""
+        import torch
+
+        with torch.no_grad():
+            return [t.tolist() for t in token_logprobs(self.model, sequences, self.pad_id)]
+
+    def read_weights(self, names: list[str]) -> dict[str, Any]:
+        params = dict(self.model.named_parameters())
+        return {n: params[n].detach().to("cpu", copy=True) for n in names}
+
+    def perturb(self, scale: float, seed: int = 0) -> int:
+        """Add seeded noise to every weight and bump the version: a cheap way to
+        give the engines something new to sync (tests, benchmarks)."""
+        import torch
+
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for _, p in self.model.named_parameters():
+                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+                p.add_(noise.to(p.device) * scale)
+        self.weight_version += 1
+        return self.weight_version
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "weight_version": self.weight_version,
+            "synced_version": self._synced_version,
+            "pretrain": self.config.pretrain,
+            "device": str(self.device),
+        }
+
+
+def create_policy_actor(
+    config: PolicyConfig | dict,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+):
+    """Start `ReferencePolicy` as a Ray actor (loads the model in the background;
+    `ray.get(actor.health.remote())` waits for it)."""
+    import ray
+
+    config = PolicyConfig.model_validate(config)
+    threads = str(config.torch_threads)
+    options: dict[str, Any] = dict(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_restarts=0,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    if name is not None:
+        options.update(name=name, namespace=namespace)
+    return ray.remote(ReferencePolicy).options(**options).remote(config.model_dump())
