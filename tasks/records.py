@@ -1,0 +1,86 @@
+"""One output row per sample: what a rollout record holds and how it is
+built from an engine's `RequestOutput`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines.outputs import RequestOutput
+
+
+def arrow_schema():
+    """The output's columns, in order, with their Parquet types."""
+    import pyarrow as pa
+
+    top_entry = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
+    return pa.schema(
+        [
+            ("iteration", pa.int64()),
+            ("prompt_index", pa.int64()),
+            ("sample_index", pa.int64()),
+            ("prompt", pa.string()),
+            ("prompt_token_ids", pa.list_(pa.int64())),
+            ("response", pa.string()),
+            ("response_token_ids", pa.list_(pa.int64())),
+            ("finish_reason", pa.string()),
+            ("cumulative_logprob", pa.float64()),
+            # Per position: the sampled token's logprob, and the top k tokens
+            # when asked for (JSON objects cannot have integer keys, hence a list).
+            ("logprobs", pa.list_(pa.float64())),
+            ("top_logprobs", pa.list_(pa.list_(top_entry))),
+            ("engine", pa.string()),
+            ("weight_version", pa.int64()),
+            ("seed", pa.int64()),
+        ]
+    )
+
+
+def request_seed(base_seed: int, iteration: int, prompt_index: int, num_prompts: int) -> int:
+    """The seed of one request, unique within a run: the rollout of a prompt
+    does not depend on which engine served it, or on which attempt."""
+    return base_seed + iteration * num_prompts + prompt_index
+
+
+def rows_for(
+    output: RequestOutput,
+    *,
+    iteration: int,
+    prompt_index: int,
+    prompt: str,
+    seed: int,
+    with_logprobs: bool,
+) -> list[dict[str, Any]]:
+    rows = []
+    for sample in output.outputs:
+        sampled, top = None, None
+        if with_logprobs and sample.logprobs is not None:
+            sampled = [
+                position[token]
+                for position, token in zip(sample.logprobs, sample.token_ids, strict=True)
+            ]
+            top = [
+                [
+                    {"token_id": token_id, "logprob": logprob}
+                    for token_id, logprob in sorted(position.items(), key=lambda kv: -kv[1])
+                ]
+                for position in sample.logprobs
+            ]
+        rows.append(
+            {
+                "iteration": iteration,
+                "prompt_index": prompt_index,
+                "sample_index": sample.index,
+                "prompt": prompt,
+                "prompt_token_ids": list(output.prompt_token_ids),
+                "response": sample.text,
+                "response_token_ids": list(sample.token_ids),
+                "finish_reason": sample.finish_reason,
+                "cumulative_logprob": sample.cumulative_logprob,
+                "logprobs": sampled,
+                "top_logprobs": top,
+                "engine": output.engine,
+                "weight_version": output.weight_version,
+                "seed": seed,
+            }
+        )
+    return rows

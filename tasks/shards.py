@@ -1,0 +1,166 @@
+"""The run's output: shards of consecutive prompts, each written atomically
+(write a temporary file, fsync, rename), so a shard file either holds every
+row of its prompts or does not exist. A rerun skips the shards that exist.
+
+Layout of one run (a flow run id keeps it across "Retry" of the run):
+
+    <output_dir>/<run id>/run.json             what the shards were made from
+    <output_dir>/<run id>/iter-000/shard-00000.jsonl   (and/or .parquet)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMATS = {"jsonl": ("jsonl",), "parquet": ("parquet",), "both": ("jsonl", "parquet")}
+MANIFEST = "run.json"
+
+
+class OutputMismatchError(ValueError):
+    """The run directory holds shards made from other inputs."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Prompts `start` (inclusive) to `stop` (exclusive)."""
+
+    index: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def plan_shards(num_prompts: int, shard_size: int) -> list[Shard]:
+    if num_prompts < 1 or shard_size < 1:
+        raise ValueError(
+            f"need num_prompts >= 1 and shard_size >= 1, got {num_prompts}, {shard_size}"
+        )
+    return [
+        Shard(index, start, min(start + shard_size, num_prompts))
+        for index, start in enumerate(range(0, num_prompts, shard_size))
+    ]
+
+
+def prepare_run_dir(run_dir: str | Path, manifest: dict[str, Any]) -> Path:
+    """Create the run directory, or check that an existing one (an earlier
+    attempt of the same run) was made from the same inputs: only then may its
+    shards be reused."""
+    run_dir = Path(run_dir).absolute()
+    path = run_dir / MANIFEST
+    if path.exists():
+        earlier = json.loads(path.read_text())
+        differ = sorted(
+            k for k in set(earlier) | set(manifest) if earlier.get(k) != manifest.get(k)
+        )
+        if differ:
+            was = {k: earlier.get(k) for k in differ}
+            now = {k: manifest.get(k) for k in differ}
+            raise OutputMismatchError(
+                f"{run_dir} holds shards made from other inputs (was {was}, now {now}); "
+                "use another output_dir"
+            )
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, [json.dumps(manifest, indent=2, sort_keys=True)])
+    return run_dir
+
+
+class ShardStore:
+    """The shards of one iteration."""
+
+    def __init__(self, directory: str | Path, output_format: str = "jsonl"):
+        if output_format not in FORMATS:
+            raise ValueError(
+                f"output_format must be one of {sorted(FORMATS)}, got {output_format!r}"
+            )
+        self.directory = Path(directory)
+        self.suffixes = FORMATS[output_format]
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def paths(self, shard: Shard) -> list[Path]:
+        return [self.directory / f"shard-{shard.index:05d}.{suffix}" for suffix in self.suffixes]
+
+    def is_done(self, shard: Shard) -> bool:
+        return all(path.exists() for path in self.paths(shard))
+
+    def write(self, shard: Shard, rows: list[dict[str, Any]]) -> None:
+        for path in self.paths(shard):
+            if path.suffix == ".parquet":
+                write_parquet_atomically(path, rows)
+            else:
+                write_atomically(path, (json.dumps(row, ensure_ascii=False) for row in rows))
+
+    def remove_partial_files(self) -> None:
+        # Temporary files of an attempt that was killed mid-write: never read,
+        # only in the way.
+        for partial in self.directory.glob(".*.tmp"):
+            partial.unlink(missing_ok=True)
+
+
+def temporary_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def write_atomically(path: Path, lines: Iterable[str]) -> None:
+    tmp = temporary_path(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as out:
+            for line in lines:
+                out.write(line)
+                out.write("\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def write_parquet_atomically(path: Path, rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.records import arrow_schema
+
+    tmp = temporary_path(path)
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema()), tmp)
+        with tmp.open("rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    # The rename itself is only durable once the directory entry is on disk.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_rows(directory: str | Path) -> list[dict[str, Any]]:
+    """All rows of the shards in `directory` (JSONL preferred), shard by shard."""
+    directory = Path(directory)
+    rows: list[dict[str, Any]] = []
+    jsonl = sorted(directory.glob("shard-*.jsonl"))
+    if jsonl:
+        for path in jsonl:
+            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        return rows
+    import pyarrow.parquet as pq
+
+    for path in sorted(directory.glob("shard-*.parquet")):
+        rows += pq.read_table(path).to_pylist()
+    return rows

@@ -1,0 +1,86 @@
+"""The flow's parameters model and the CLI that fills it: bad values are
+rejected with the field named, before anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from flows.cli import parse_params
+from flows.params import RolloutParams
+
+
+def test_defaults_are_the_embedded_demo():
+    params = RolloutParams()
+    assert params.prompts_path == "data/prompts.jsonl"
+    assert params.model is None and params.address is None
+    assert params.iterations == 1
+    assert params.sampling().n == params.n and params.sampling().seed is None
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"num_engines": 0}, "num_engines"),
+        ({"n": 0}, "n"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"backend": "tpu"}, "backend"),
+        ({"output_format": "csv"}, "output_format"),
+        ({"shard_size": -1}, "shard_size"),
+        ({"engine_retries": 99}, "engine_retries"),
+        ({"num_engine": 2}, "num_engine"),  # a typo is not silently ignored
+    ],
+)
+def test_invalid_values_name_the_field(values, field):
+    with pytest.raises(ValidationError) as info:
+        RolloutParams(**values)
+    assert [error["loc"] for error in info.value.errors()] == [(field,)]
+
+
+def test_max_tokens_must_leave_room_for_the_prompt():
+    with pytest.raises(ValidationError, match=r"max_tokens \(64\) must be below max_len \(64\)"):
+        RolloutParams(max_len=64, max_tokens=64)
+
+
+def test_json_schema_carries_bounds_for_the_ui():
+    schema = RolloutParams.model_json_schema()
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["num_engines"]["minimum"] == 1
+    assert schema["properties"]["backend"]["enum"] == ["auto", "vllm", "hf"]
+
+
+def test_cli_flags_override_the_config_file(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"num_engines": 3, "n": 2, "address": "10.0.0.1:6379"}))
+    params = parse_params(["--config", str(config), "--n", "4", "--address", "none"])
+    assert (params.num_engines, params.n, params.address) == (3, 4, None)
+
+
+def test_cli_reads_yaml(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("num_engines: 1\nignore_eos: true\n")
+    params = parse_params(["--config", str(config)])
+    assert params.num_engines == 1 and params.ignore_eos is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-engines", "zero"], "num_engines"),
+        (["--temperature", "-1"], "temperature"),
+    ],
+)
+def test_cli_rejects_bad_flags_naming_the_field(argv, message):
+    with pytest.raises(SystemExit) as info:
+        parse_params(argv)
+    assert "invalid parameters" in str(info.value.code)
+    assert message in str(info.value.code)
+
+
+def test_cli_rejects_a_config_that_is_not_a_mapping(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("- 1\n- 2\n")
+    with pytest.raises(SystemExit, match="must hold a mapping"):
+        parse_params(["--config", str(config)])

@@ -1,0 +1,113 @@
+"""Shards: planned to cover every prompt once, written atomically, reused
+only when made from the same inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from engines.outputs import CompletionOutput, RequestOutput
+from tasks.records import rows_for
+from tasks.shards import (
+    OutputMismatchError,
+    Shard,
+    ShardStore,
+    plan_shards,
+    prepare_run_dir,
+    read_rows,
+)
+
+
+@pytest.mark.parametrize(("prompts", "size"), [(1, 1), (10, 3), (32, 16), (5, 100)])
+def test_plan_covers_every_prompt_once(prompts, size):
+    shards = plan_shards(prompts, size)
+    covered = [i for shard in shards for i in range(shard.start, shard.stop)]
+    assert covered == list(range(prompts))
+    assert [s.index for s in shards] == list(range(len(shards)))
+    assert all(0 < len(s) <= size for s in shards)
+
+
+def sample_rows(shard: Shard) -> list[dict]:
+    output = RequestOutput(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        outputs=[
+            CompletionOutput(
+                index=0,
+                token_ids=[5, 6],
+                text="hi",
+                finish_reason="length",
+                logprobs=[{5: -0.5, 9: -1.0}, {6: -0.25, 7: -0.1}],
+                cumulative_logprob=-0.75,
+            )
+        ],
+        weight_version=3,
+        engine="e-0",
+    )
+    return [
+        row
+        for i in range(shard.start, shard.stop)
+        for row in rows_for(
+            output, iteration=0, prompt_index=i, prompt=f"p{i}", seed=100 + i, with_logprobs=True
+        )
+    ]
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet", "both"])
+def test_write_then_read_back(tmp_path, output_format):
+    store = ShardStore(tmp_path / "iter-000", output_format)
+    shards = plan_shards(5, 2)
+    assert not any(store.is_done(s) for s in shards)
+    for shard in shards[:2]:
+        store.write(shard, sample_rows(shard))
+    assert [store.is_done(s) for s in shards] == [True, True, False]
+    rows = read_rows(tmp_path / "iter-000")
+    assert [r["prompt_index"] for r in rows] == [0, 1, 2, 3]
+    first = rows[0]
+    assert first["seed"] == 100
+    assert first["weight_version"] == 3
+    assert first["logprobs"] == [-0.5, -0.25]
+    assert first["top_logprobs"][1] == [
+        {"token_id": 7, "logprob": -0.1},
+        {"token_id": 6, "logprob": -0.25},
+    ]
+    assert not list((tmp_path / "iter-000").glob(".*"))  # no temporary file left
+
+
+def test_both_formats_count_as_done_only_together(tmp_path):
+    store = ShardStore(tmp_path, "both")
+    shard = Shard(0, 0, 1)
+    store.write(shard, sample_rows(shard))
+    jsonl, parquet = store.paths(shard)
+    parquet.unlink()  # as if the process died between the two renames
+    assert not store.is_done(shard)
+
+
+def test_partial_files_of_a_killed_attempt_are_removed(tmp_path):
+    store = ShardStore(tmp_path, "jsonl")
+    partial = tmp_path / ".shard-00000.jsonl.1234abcd.tmp"
+    partial.write_text('{"half": ')
+    assert not store.is_done(Shard(0, 0, 1))
+    store.remove_partial_files()
+    assert not partial.exists()
+
+
+def test_a_failed_write_leaves_no_shard(tmp_path):
+    store = ShardStore(tmp_path, "jsonl")
+    shard = Shard(0, 0, 2)
+    rows = sample_rows(shard) + [{"not serialisable": object()}]
+    with pytest.raises(TypeError):
+        store.write(shard, rows)
+    assert not store.is_done(shard)
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_dir_reused_only_with_the_same_inputs(tmp_path):
+    manifest = {"prompts_sha256": "abc", "seed": 1}
+    run_dir = prepare_run_dir(tmp_path / "run", manifest)
+    assert json.loads((run_dir / "run.json").read_text()) == manifest
+    assert prepare_run_dir(tmp_path / "run", dict(manifest)) == run_dir
+    with pytest.raises(OutputMismatchError, match=r"was \{'seed': 1\}, now \{'seed': 2\}"):
+        prepare_run_dir(tmp_path / "run", {**manifest, "seed": 2})
