@@ -1,0 +1,338 @@
+"""The GPU backend: vLLM's AsyncLLM inside the engine actor.
+
+One AsyncLLM per actor, so concurrent `generate` calls into the actor join
+vLLM's continuous batching. Its engine core runs in a child process (always,
+for AsyncLLM); its GPU workers live there (`uni`, TP=1) or in Ray actors of
+vLLM's Ray executor (TP>1) placed on this engine's bundles (see
+`engines.vllm_engine.start_engine` and `engines.env.actor_env_vars`).
+
+Only `engines.vllm_engine.backend_class` imports this module, and only for
+backend "vllm": CPU code never needs vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from typing import Any
+
+try:
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.gc_utils import freeze_gc_heap
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    raise ImportError(
+        f"the vLLM backend needs vLLM ({exc}); install it with: pip install 'rolloutflow[vllm]', "
+        "or use backend='hf' (CPU)"
+    ) from exc
+
+import ray
+from transformers import AutoTokenizer
+
+from engines.base import RolloutEngine, normalize_prompts
+from engines.config import EngineConfig
+from engines.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    EngineTimeoutError,
+    RequestError,
+)
+from engines.outputs import CompletionOutput, RequestOutput
+from engines.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+
+
+def vllm_sampling_params(value: Any) -> vllm.SamplingParams:
+    """Our SamplingParams (or a dict, None, or a `vllm.SamplingParams` used as
+    is) -> vLLM's, asking for the final output only: `generate` returns whole
+    completions, so streaming partial outputs would be wasted work."""
+    if isinstance(value, vllm.SamplingParams):
+        params = value.clone()
+    else:
+        ours = SamplingParams.coerce(value)
+        params = vllm.SamplingParams(
+            n=ours.n,
+            temperature=ours.temperature,
+            top_p=ours.top_p,
+            top_k=ours.top_k,
+            max_tokens=ours.max_tokens,
+            min_tokens=ours.min_tokens,
+            seed=ours.seed,
+            stop_token_ids=list(ours.stop_token_ids),
+            ignore_eos=ours.ignore_eos,
+            logprobs=ours.logprobs,
+            prompt_logprobs=ours.prompt_logprobs,
+        )
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+def plain_logprobs(positions: Any) -> list[dict[int, float] | None] | None:
+    """vLLM's per-position `{token_id: Logprob}` -> `{token_id: float}`
+    (None positions, e.g. the first prompt token, stay None)."""
+    if positions is None:
+        return None
+    return [
+        None if position is None else {int(t): float(lp.logprob) for t, lp in position.items()}
+        for position in positions
+    ]
+
+
+def worker_memory(worker: Any) -> dict[str, Any]:
+    """Runs inside each GPU worker (sent through `collective_rpc`): which GPU
+    it computes on and that GPU's memory as the driver sees it, so sleep mode
+    is measured on the device itself, not through an allocator's view."""
+    import torch
+
+    device = worker.device
+    free, total = torch.cuda.mem_get_info(device)
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "rank": int(worker.rank),
+        "device": str(device),
+        "gpu_name": props.name,
+        "gpu_uuid": str(props.uuid),
+        "used_bytes": int(total - free),
+        "total_bytes": int(total),
+    }
+
+
+class VLLMEngine(RolloutEngine):
+    backend = "vllm"
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        kwargs = dict(config.engine_kwargs)
+        self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            config.pretrain, trust_remote_code=bool(kwargs.get("trust_remote_code", False))
+        )
+        # One GPU: the worker lives in the engine-core process ("uni"). More:
+        # vLLM's Ray executor places one worker actor per bundle (the bundles
+        # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).
+        kwargs.setdefault(
+            "distributed_executor_backend", "uni" if config.tensor_parallel_size == 1 else "ray"
+        )
+        # vLLM logs throughput every few seconds by default; in an engine
+        # actor those lines flood the driver's log. Callers may turn it back on.
+        kwargs.setdefault("disable_log_stats", True)
+        args = vllm.AsyncEngineArgs(
+            model=config.pretrain,
+            max_model_len=config.max_len,
+            seed=config.seed,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            tensor_parallel_size=config.tensor_parallel_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            worker_extension_cls=WORKER_EXTENSION,
+            **kwargs,
+        )
+        # Blocks until the engine core is up (model loaded, KV cache allocated).
+        # Rollouts are offline batch work, like `vllm.LLM`'s: its usage context
+        # picks LLM's batch defaults (on an H200: max_num_seqs 1024, 16384
+        # batched tokens; ENGINE_CONTEXT gets 128 and 2048; figures in
+        # docs/benchmarks.md). get_batch_defaults in
+        # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
+        self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        self._asleep: set[str] = set()
+        self._paused = False
+        # This actor is the engine's front end, as vLLM's API server process
+        # is: like it, keep the start-up heap (vLLM, torch, transformers) out
+        # of the GC's oldest-generation scans, whose pauses stall the output
+        # handler (https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/entrypoints/serve/utils/server_utils.py).
+        freeze_gc_heap()
+        logger.info(
+            "engine %s: vLLM %s, %s, TP=%d, executor %s",
+            config.name,
+            vllm.__version__,
+            config.pretrain,
+            config.tensor_parallel_size,
+            kwargs["distributed_executor_backend"],
+        )
+
+    # --- generation -------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def generate(self, prompt_token_ids, sampling_params=None) -> list[RequestOutput]:
+        try:
+            params = vllm_sampling_params(sampling_params)
+        except ValueError as exc:  # ours (pydantic) or vLLM's own checks
+            raise RequestError(f"bad sampling parameters: {exc}") from exc
+        prompts = normalize_prompts(prompt_token_ids)
+        # check_request reads only the prompts and the engine's state.
+        self.check_request(prompts, params)
+        if self._asleep:
+            raise EngineSleepingError(
+                f"engine {self.config.name} is asleep ({sorted(self._asleep)}); call wake_up first"
+            )
+        self._raise_if_dead()
+        version = self.weight_version
+        tasks = [asyncio.ensure_future(self._one(prompt, params, version)) for prompt in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            # One bad prompt (or a cancelled call) must not leave its siblings
+            # generating for nobody: cancelling a task aborts its vLLM request.
+            for task in tasks:
+                task.cancel()
+            raise
+
+    async def _one(
+        self, prompt: list[int], params: vllm.SamplingParams, version: int
+    ) -> RequestOutput:
+        request_id = uuid.uuid4().hex
+        final = None
+        try:
+            async for output in self.engine.generate(
+                {"prompt_token_ids": prompt}, params, request_id
+            ):
+                final = output
+        except VLLMEngineDeadError as exc:
+            raise EngineDeadError(
+                f"engine {self.config.name}: vLLM's engine core died: {exc}",
+                engine=self.config.name,
+            ) from exc
+        except ValueError as exc:  # vLLM's per-request validation
+            raise RequestError(f"engine {self.config.name} rejected a prompt: {exc}") from exc
+        if final is None or not final.finished:
+            raise RequestError(f"engine {self.config.name}: request {request_id} did not finish")
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            outputs=[
+                CompletionOutput(
+                    index=completion.index,
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    finish_reason=completion.finish_reason,
+                    logprobs=plain_logprobs(completion.logprobs),
+                    cumulative_logprob=completion.cumulative_logprob,
+                )
+                for completion in sorted(final.outputs, key=lambda c: c.index)
+            ],
+            weight_version=version,
+            engine=self.config.name,
+            prompt_logprobs=plain_logprobs(final.prompt_logprobs),
+        )
+
+    async def get_num_unfinished_requests(self) -> int:
+        # AsyncLLM has no public count; the output processor tracks every
+        # request (n>1 counts each sample) until its final output is out.
+        return self.engine.output_processor.get_num_unfinished_requests()
+
+    # --- control ------------------------------------------------------------------
+    def _raise_if_dead(self) -> None:
+        if self.engine.errored:
+            raise EngineDeadError(
+                f"engine {self.config.name}: vLLM's engine core is dead (see the actor's log)",
+                engine=self.config.name,
+            )
+
+    async def health(self) -> dict[str, Any]:
+        self._raise_if_dead()
+        info = self.base_health()
+        info.update(
+            num_unfinished_requests=await self.get_num_unfinished_requests(),
+            paused=self._paused,
+            sleeping=sorted(self._asleep),
+            vllm_version=vllm.__version__,
+            pid=os.getpid(),
+            node_id=ray.get_runtime_context().get_node_id(),
+        )
+        # Asked of the workers themselves: with TP>1 they are other processes
+        # on other GPUs than this actor sees.
+        gpus = await self._rpc(worker_memory)
+        info["device"] = ",".join(gpu["device"] for gpu in gpus)
+        info["gpus"] = gpus
+        info["memory"] = {"used_bytes": sum(gpu["used_bytes"] for gpu in gpus)}
+        return info
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
+    async def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
+        if not self.sleep_mode:
+            raise RequestError(
+                f"engine {self.config.name} was started without sleep mode: pass "
+                "enable_sleep_mode=True to create_vllm_engines"
+            )
+        # "wait": requests in flight finish first (vLLM's default aborts them).
+        # Level 1 offloads weights to CPU and drops the KV cache; level 2 drops both.
+        await self.engine.sleep(level, mode="wait")
+        self._asleep = set(SLEEP_TAGS)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        tags_set = set(tags) if tags is not None else set(SLEEP_TAGS)
+        unknown = tags_set - SLEEP_TAGS
+        if unknown:
+            raise RequestError(f"unknown wake_up tags {sorted(unknown)}; use {sorted(SLEEP_TAGS)}")
+        await self.engine.wake_up(sorted(tags_set))
+        self._asleep -= tags_set
+
+    async def pause_generation(self) -> None:
+        # "wait": new requests queue inside vLLM and requests in flight run to
+        # completion before this returns; the prefix cache is cleared once
+        # idle, since it would hold KV computed with the weights being replaced.
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        self._paused = True
+
+    async def resume_generation(self) -> None:
+        await self.engine.resume_generation()
+        self._paused = False
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout_s: float | None = None,
+    ):
+        if not isinstance(method, str) or method.startswith("_"):
+            raise RequestError(f"collective_rpc needs a public worker method name, got {method!r}")
+        return await self._rpc(method, args, kwargs, timeout_s)
+
+    async def _rpc(
+        self,
+        method: Any,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+        try:
+            # vLLM's single-process executor ignores its own `timeout`
+            # (v1/executor/uniproc_executor.py in v0.26.0,
+            # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/executor/uniproc_executor.py),
+            # so the deadline is also enforced here.
+            return await asyncio.wait_for(
+                self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs),
+                timeout=timeout,
+            )
+        except TimeoutError as exc:
+            name = getattr(method, "__name__", method)
+            raise EngineTimeoutError(
+                f"engine {self.config.name}: collective_rpc({name!r}) "
+                f"took longer than {timeout:g}s",
+                engine=self.config.name,
+            ) from exc
+        except VLLMEngineDeadError as exc:
+            raise EngineDeadError(
+                f"engine {self.config.name}: vLLM's engine core died: {exc}",
+                engine=self.config.name,
+            ) from exc
+
+    async def shutdown(self) -> None:
+        # Stops the engine-core process (and the Ray workers of TP>1), which
+        # frees the GPU memory before the actor is killed.
+        self.engine.shutdown()

@@ -1,0 +1,84 @@
+"""Constants and helpers of the GPU suite (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import time
+
+# Seconds an engine may take to come up (vLLM start-up is ~50-80 s on an H200).
+READY_TIMEOUT_S = 300
+# The GPU model: a random Llama of 0.28B parameters (551.7 MB in bf16),
+# byte-level vocabulary.
+MODEL_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16", init_std=0.02)
+# bf16 tolerance of vLLM's logprobs against transformers' on the same weights:
+# the two use different kernels (fused attention, fused RMSNorm, bf16 GEMM
+# split-K), so per-token logprobs differ by rounding only; both reduce in fp32.
+# Measured on the built weights (H200, 2026-11-29): max 0.022-0.036, mean
+# 0.006-0.009 (TP=1, TP=2, two engines on one GPU).
+LOGPROB_MAX_ABS = 0.1
+LOGPROB_MEAN_ABS = 0.02
+
+
+def reference_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    """transformers' logprob of each completion token given what precedes it."""
+    import torch
+
+    ids = torch.tensor([prompt + completion], device=model.device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    start = len(prompt) - 1
+    return [float(logprobs[start + t, token]) for t, token in enumerate(completion)]
+
+
+def assert_logprob_parity(model, prompt: list[int], completion) -> None:
+    """vLLM's sampled-token logprobs (a CompletionOutput) against transformers'."""
+    pairs = zip(completion.logprobs, completion.token_ids, strict=True)
+    ours = [entry[token] for entry, token in pairs]
+    ref = reference_logprobs(model, prompt, list(completion.token_ids))
+    diffs = [abs(a - b) for a, b in zip(ours, ref, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    print(f"logprob parity: max |diff| {max(diffs):.4f}, mean {mean:.4f} over {len(diffs)} tokens")
+    assert max(diffs) < LOGPROB_MAX_ABS and mean < LOGPROB_MEAN_ABS, (max(diffs), mean)
+
+
+def wait_ready(engines, what: str) -> float:
+    """Seconds from now until every engine answers `ready`."""
+    import ray
+
+    start = time.monotonic()
+    ray.get([engine.ready.remote() for engine in engines], timeout=READY_TIMEOUT_S)
+    took = time.monotonic() - start
+    print(f"\n{what}: ready after {took:.1f}s")
+    return took
+
+
+def gpu_used_mib() -> list[int]:
+    """Memory in use on each GPU, as the driver counts it (all processes)."""
+    import subprocess
+
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return [int(line) for line in out.split()]
+
+
+def wait_gpus_released(baseline_mib: list[int], slack_mib: int = 2048, timeout_s: float = 60):
+    """After destroy_engines: wait until every GPU is back near `baseline_mib`.
+    Fails if an engine's processes keep their memory (a leak the next engine
+    would start beside); also keeps the next engine's memory profiling clear of
+    memory still being released."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = gpu_used_mib()
+        if all(u <= b + slack_mib for u, b in zip(used, baseline_mib, strict=True)):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"GPU memory not released {timeout_s:g}s after shutdown: {used} MiB in use, "
+                f"baseline {baseline_mib} MiB"
+            )
+        time.sleep(0.5)

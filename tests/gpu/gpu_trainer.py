@@ -1,0 +1,54 @@
+"""The trainer of the GPU weight-sync tests and benchmark: the reference
+policy (training/policy.py) on a GPU, in the engines' serving dtype."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from engines.weight_sync import cuda_ipc
+from training.config import PolicyConfig
+from training.policy import ReferencePolicy
+
+
+class BF16Policy(ReferencePolicy):
+    def __init__(self, config: PolicyConfig | dict):
+        import torch
+
+        super().__init__(config)
+        # ReferencePolicy loads float32; bf16 engines accept weights in their
+        # serving dtype only (their manifest says bf16).
+        self.model.to(torch.bfloat16)
+
+    def gpu_uuid(self) -> str:
+        import torch
+
+        return cuda_ipc.gpu_uuid(torch.cuda.current_device())
+
+    def time_device_copy(self, nbytes: int, repeats: int = 5) -> float:
+        """Seconds of one on-device copy of `nbytes` (best of `repeats`): the
+        floor for a CUDA IPC sync of as many bytes on this GPU."""
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+
+def start_bf16_policy(pretrain: str, **options: Any):
+    """BF16Policy as a Ray actor (`options`: num_gpus, scheduling_strategy, ...)."""
+    import ray
+
+    # Ray pickles classes by reference and its workers cannot import this
+    # directory (tests/gpu): ship this module's code by value instead.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    config = PolicyConfig(pretrain=pretrain, device="cuda", sync_timeout_s=120.0)
+    return ray.remote(BF16Policy).options(max_restarts=0, **options).remote(config.model_dump())

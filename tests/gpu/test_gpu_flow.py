@@ -1,0 +1,62 @@
+"""The rollout flow end to end on GPUs: its CLI with the vLLM backend, joined
+to the test session's Ray cluster (the way a flow joins a running cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gpu_helpers import wait_gpus_released
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS = 2
+
+
+def test_flow_cli_with_the_vllm_backend(ray_gpu, gpu_model, gpu_count, gpu_baseline, tmp_path):
+    ray = ray_gpu
+    prompts = (ROOT / "data" / "prompts.jsonl").read_text().splitlines()
+    num_engines = min(2, gpu_count)
+    cmd = [
+        sys.executable, "-m", "flows.cli",
+        "--backend", "vllm",
+        "--model", gpu_model,
+        "--num-engines", str(num_engines),
+        "--max-len", "2048",
+        "--gpu-memory-utilization", "0.3",
+        "--max-tokens", "48",
+        "--logprobs", "0",
+        "--iterations", str(ITERATIONS),
+        "--shard-size", "4",  # 8 shards an iteration: every engine gets some
+        "--output-dir", str(tmp_path / "out"),
+        "--address", ray.get_runtime_context().gcs_address,
+        "--ready-timeout-s", "300",
+    ]  # fmt: skip
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = len(prompts) * ITERATIONS
+    assert f"{expected} rollouts written to" in proc.stdout
+
+    (run_dir,) = (tmp_path / "out").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rows"] == expected
+    rows = [
+        json.loads(line)
+        for path in sorted(run_dir.rglob("shard-*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    assert len(rows) == expected
+    engines = {row["engine"] for row in rows}
+    assert len(engines) == num_engines  # the work was spread over every engine
+    for row in rows:
+        assert row["response_token_ids"] and len(row["logprobs"]) == len(row["response_token_ids"])
+        assert row["weight_version"] == 0 and row["finish_reason"] in ("stop", "length")
+    print(f"flow: {expected} rows from engines {sorted(engines)} in {summary['seconds']}s")
+    wait_gpus_released(gpu_baseline)

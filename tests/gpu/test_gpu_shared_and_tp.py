@@ -1,0 +1,83 @@
+"""Placement on real GPUs: two engines sharing one GPU through a caller's
+placement group (fractional GPUs, as when colocated with a trainer), and one
+tensor-parallel engine spread over two GPUs by vLLM's Ray executor."""
+
+from __future__ import annotations
+
+import pytest
+from gpu_helpers import assert_logprob_parity, wait_gpus_released, wait_ready
+
+from engines import SamplingParams, create_vllm_engines, destroy_engines
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+PROMPT = [40, 41, 42, 43, 44, 45]
+TIMEOUT_S = 120
+
+
+def test_two_engines_share_one_gpu_through_shared_pg(
+    ray_gpu, gpu_model, hf_reference, gpu_baseline
+):
+    ray = ray_gpu
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    # Two half-GPU bundles: Ray packs fractional bundles onto one device.
+    pg = placement_group([{"GPU": 0.5, "CPU": 1}] * 2, strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    engines = create_vllm_engines(
+        num_engines=2,
+        pretrain=gpu_model,
+        max_len=2048,
+        gpu_memory_utilization=0.2,
+        tensor_parallel_size=1,
+        backend="vllm",
+        name_prefix="gpu-shared",
+        shared_pg=pg,
+        enforce_eager=True,
+    )
+    try:
+        wait_ready(engines, "2 engines on one GPU (shared_pg)")
+        healths = ray.get([e.health.remote() for e in engines], timeout=TIMEOUT_S)
+        uuids = {h["gpus"][0]["gpu_uuid"] for h in healths}
+        print(f"shared_pg engines on {uuids}")
+        assert len(uuids) == 1, "the engines of one shared bundle pair sit on different GPUs"
+        results = ray.get([e.generate.remote(PROMPT, GREEDY) for e in engines], timeout=TIMEOUT_S)
+        a, b = (r[0].outputs[0] for r in results)
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 32
+        assert_logprob_parity(hf_reference, PROMPT, a)
+    finally:
+        destroy_engines(engines)
+        remove_placement_group(pg)
+        wait_gpus_released(gpu_baseline)
+
+
+def test_tensor_parallel_engine_through_vllm_ray_executor(
+    ray_gpu, gpu_model, gpu_count, hf_reference, gpu_baseline
+):
+    if gpu_count < 2:
+        pytest.skip("TP=2 needs two GPUs of one host")
+    ray = ray_gpu
+    engines = create_vllm_engines(
+        num_engines=1,
+        pretrain=gpu_model,
+        max_len=2048,
+        gpu_memory_utilization=0.3,
+        tensor_parallel_size=2,
+        backend="vllm",
+        name_prefix="gpu-tp2",
+        enforce_eager=True,
+    )
+    try:
+        wait_ready(engines, "1 TP=2 engine (vLLM Ray executor)")
+        health = ray.get(engines[0].health.remote(), timeout=TIMEOUT_S)
+        print(f"TP=2 workers: {health['gpus']}")
+        assert [g["rank"] for g in health["gpus"]] == [0, 1]
+        assert len({g["gpu_uuid"] for g in health["gpus"]}) == 2
+        (output,) = ray.get(engines[0].generate.remote(PROMPT, GREEDY), timeout=TIMEOUT_S)
+        assert len(output.outputs[0].token_ids) == 32
+        assert_logprob_parity(hf_reference, PROMPT, output.outputs[0])
+        assert ray.get(engines[0].reset_prefix_cache.remote(), timeout=TIMEOUT_S) is True
+    finally:
+        destroy_engines(engines)
+        wait_gpus_released(gpu_baseline)
