@@ -103,11 +103,16 @@ class RolloutEngine(WeightUpdateAPI, abc.ABC):
 
     @abc.abstractmethod
     async def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout_s: float | None = None,
     ) -> list[Any]:
         """Run `method` of the worker extension on every worker of this engine
         (one per tensor-parallel rank); results in rank order. Weight updates go
-        through here on both backends."""
+        through here on both backends. `timeout_s` (default: the engine's RPC
+        timeout) bounds the call; a whole-model receive passes a longer one."""
 
     # --- helpers for backends -------------------------------------------------
     def check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:

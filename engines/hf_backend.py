@@ -26,7 +26,12 @@ from transformers.utils import logging as transformers_logging
 from engines import env
 from engines.base import RolloutEngine, normalize_prompts
 from engines.config import EngineConfig
-from engines.errors import EngineDeadError, EngineSleepingError, RequestError
+from engines.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    EngineTimeoutError,
+    RequestError,
+)
 from engines.hf_sampling import logprob_entry, sample_token
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.sampling import SamplingParams
@@ -219,7 +224,13 @@ class HFEngine(RolloutEngine):
             self._paused = False
             self._cond.notify_all()
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout_s: float | None = None,
+    ):
         function = getattr(self.worker, method, None)
         if function is None or method.startswith("_"):
             raise RequestError(f"the worker has no method {method!r}")
@@ -228,7 +239,16 @@ class HFEngine(RolloutEngine):
             with self._model_lock:
                 return function(*args, **(kwargs or {}))
 
-        return [await asyncio.to_thread(run)]
+        timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+        try:
+            # The thread itself cannot be interrupted: the worker's own
+            # collectives carry deadlines; this bounds what the caller waits.
+            return [await asyncio.wait_for(asyncio.to_thread(run), timeout)]
+        except TimeoutError as exc:
+            raise EngineTimeoutError(
+                f"engine {self.config.name}: {method} took longer than {timeout:g}s",
+                engine=self.config.name,
+            ) from exc
 
     async def shutdown(self) -> None:
         with self._cond:

@@ -218,13 +218,19 @@ class WeightUpdateAPI:
             )
         return session
 
-    async def _in_session(self, method: str, *args: Any, session: SyncSession | None = None):
+    async def _in_session(
+        self,
+        method: str,
+        *args: Any,
+        session: SyncSession | None = None,
+        timeout_s: float | None = None,
+    ):
         """Run a receive on the workers; on failure abort the session (restore
         or mark stale) and raise a typed error."""
         session = session or self._session()
         async with session.call(), self._lock():
             try:
-                results = await self.collective_rpc(method, args=args)
+                results = await self.collective_rpc(method, args=args, timeout_s=timeout_s)
             except BaseException as exc:
                 session.touched = True  # unknown how far the workers got
                 await self._abort(session, f"{method} failed: {exc}", locked=True)
@@ -249,7 +255,11 @@ class WeightUpdateAPI:
         """Receive a whole bucket plan over the weight group (the trainer
         broadcasts the buckets right after calling this)."""
         plan = _validated(BucketPlan, plan, self.config.name)
-        results = await self._in_session("receive_weight_buckets", plan, bool(verify))
+        # One call receives every bucket: the deadline grows with their number.
+        timeout = self._rpc_timeout(None) * max(1, len(plan["buckets"]))
+        results = await self._in_session(
+            "receive_weight_buckets", plan, bool(verify), timeout_s=timeout
+        )
         return results[0]
 
     async def receive_weight_bucket_ipc(

@@ -21,6 +21,11 @@ class PolicyConfig(BaseModel):
     )
     torch_threads: int = Field(1, ge=1)
     device: str = "cpu"
+    sync_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="dtype of the weights sent to the engines; None: the checkpoint's "
+        "dtype, which engines load by default (training itself stays in float32).",
+    )
     # Weight sync
     transport: Literal["broadcast", "cuda_ipc", "checkpoint"] = "broadcast"
     sync_backend: Literal["gloo", "nccl"] = "gloo"

@@ -17,6 +17,15 @@ from training.trainer import Trainer
 logger = logging.getLogger(__name__)
 
 
+def checkpoint_dtype(pretrain: str) -> str:
+    """The dtype the checkpoint was saved in (what `dtype="auto"` loads); read
+    from its config, since loading in float32 rewrites the model's."""
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(pretrain), "dtype", None)
+    return str(dtype or "float32").removeprefix("torch.")
+
+
 class ReferencePolicy(Trainer):
     def __init__(self, config: PolicyConfig | dict):
         import torch
@@ -32,6 +41,9 @@ class ReferencePolicy(Trainer):
         # No dropout in the models we train; eval() keeps the forward identical
         # to the engines', while autograd still works.
         self.model.eval()
+        self.sync_dtype = getattr(
+            torch, self.config.sync_dtype or checkpoint_dtype(self.config.pretrain)
+        )
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -43,7 +55,9 @@ class ReferencePolicy(Trainer):
 
     # --- Trainer ------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, Any]]:
-        return [(name, p.detach()) for name, p in self.model.named_parameters()]
+        # float32 master weights, sent in the engines' dtype (a bf16 vLLM
+        # engine accepts bf16 only).
+        return [(name, p.detach().to(self.sync_dtype)) for name, p in self.model.named_parameters()]
 
     def init_weight_sync(self, engines: list[Any], **kwargs: Any) -> dict[str, Any]:
         """As `Trainer.init_weight_sync`, with defaults from the config."""

@@ -331,8 +331,10 @@ class CudaIpcSender:
         if self.config.verify:
             coordinator.verify(version, checksums(weights))
             phases.done("verify")
-        coordinator.finish(version)
+        # Wake the KV cache before `finish` resumes generation: a request let
+        # in between would meet a sleeping engine.
         self._wake(["kv_cache"])
+        coordinator.finish(version)
         phases.done("finish")
         return SyncReport(
             version,

@@ -64,7 +64,7 @@ class FakeEngine(WeightUpdateAPI):
         self.prefix_resets += 1
         return True
 
-    async def collective_rpc(self, method, args=(), kwargs=None):
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
         function = getattr(self.worker, method)
         return [await asyncio.to_thread(function, *args, **(kwargs or {}))]
 
