@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,24 @@ def load_config(path: Path) -> dict[str, Any]:
     return values
 
 
+def flag_value(name: str, raw: str) -> Any:
+    """A flag's string, as the model expects it: mappings (engine_kwargs) are
+    JSON/YAML; everything else stays a string for the model to parse."""
+    if raw.lower() in ("", "none", "null"):
+        return None
+    if typing.get_origin(RolloutParams.model_fields[name].annotation) is dict:
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise SystemExit(f"error: --{name.replace('_', '-')} is not JSON: {exc}") from exc
+    return raw
+
+
 def parse_params(argv: list[str] | None = None) -> RolloutParams:
     args = build_parser().parse_args(argv)
     values = load_config(args.config) if args.config else {}
     flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
-    values.update({k: None if v.lower() in ("", "none", "null") else v for k, v in flags.items()})
+    values.update({k: flag_value(k, v) for k, v in flags.items()})
     try:
         return RolloutParams.model_validate(values)
     except ValidationError as exc:
@@ -77,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the run's log above holds the traceback
         print(f"\nerror: the rollout run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    for step in summary.training:
+        print(
+            f"iteration {step['iteration']}: mean reward {step['mean_reward']:.3f}; "
+            f"weights synced to version {step['weight_version']} "
+            f"({step['sync_bytes'] / 1e6:.1f} MB in {step['sync_seconds']:.3f} s)"
+        )
     print(f"\n{summary.rows} rollouts written to {summary.output_dir}")
     return 0
 

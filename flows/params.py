@@ -8,7 +8,7 @@ against another) run again in the flow, before anything is created.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,6 +47,10 @@ class RolloutParams(BaseModel):
     gpu_memory_utilization: float = Field(
         0.85, gt=0.0, le=1.0, description="Fraction of each GPU an engine may use (vLLM)."
     )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Further vLLM engine arguments, e.g. {"enforce_eager": true}.',
+    )
 
     # --- sampling ------------------------------------------------------------
     n: int = Field(1, ge=1, le=1024, title="Samples per prompt")
@@ -68,6 +72,16 @@ class RolloutParams(BaseModel):
         description="Base seed. A request's seed is derived from it, the iteration and the "
         "prompt's index, so a rollout does not depend on which engine served it.",
     )
+
+    # --- training (the on-policy loop) -------------------------------------------
+    reward: str | None = Field(
+        None,
+        description="Reward function, 'module:function'. Set: after each iteration the "
+        "reference policy scores the rollouts, takes a GRPO step and its weights are synced "
+        "into the engines before the next iteration. Empty: plain rollouts.",
+        examples=["training.rewards:target_chars_fraction"],
+    )
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="The policy's step size.")
 
     # --- loop and output -----------------------------------------------------
     iterations: int = Field(

@@ -18,14 +18,23 @@ from prefect.runtime import flow_run
 
 from flows.hooks import sweep_engines
 from flows.params import RolloutParams
-from tasks.artifacts import publish_engine_table, publish_summary, start_progress
+from tasks.artifacts import (
+    publish_engine_table,
+    publish_summary,
+    publish_training_table,
+    start_progress,
+)
 from tasks.cluster import provision_cluster
 from tasks.engines import create_engines, resolve_model, teardown, wait_until_ready
 from tasks.generate import GenerationPlan, IterationReport, generate_rollouts
 from tasks.pool import EnginePool
 from tasks.prompts import load_prompts
 from tasks.scope import RunScope
-from tasks.shards import plan_shards, prepare_run_dir, write_atomically
+from tasks.shards import plan_shards, prepare_run_dir, set_aside_iterations, write_atomically
+from tasks.sync_weights import init_weight_sync, sync_weights
+from tasks.train import start_policy, train_on_rollouts
+from training.config import PolicyConfig
+from training.rewards import load_reward
 
 SUMMARY_FILE = "summary.json"
 
@@ -41,6 +50,8 @@ class RunSummary:
     generate_calls: int
     seconds: float
     iterations: list[IterationReport]
+    #: On-policy runs: per iteration, the policy step and the sync after it.
+    training: list[dict]
 
 
 @flow(
@@ -59,10 +70,14 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     # Input first: bad prompts or a clashing output directory fail the run
     # before anything is created.
     prompts = load_prompts(params.prompts_path, params.prompt_field)
+    if params.reward:
+        load_reward(params.reward)  # a bad import path fails here
     model = resolve_model(params.model)
     run_dir = prepare_run_dir(
         Path(params.output_dir) / scope.run_id, manifest(params, prompts, model)
     )
+    if params.reward and (aside := set_aside_iterations(run_dir, scope.attempt)):
+        logger.warning("on-policy run restarts its iterations; earlier rollouts moved to %s", aside)
     cluster = provision_cluster(
         scope=scope,
         address=params.address,
@@ -70,9 +85,12 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         backend=params.backend,
         num_engines=params.num_engines,
         tensor_parallel_size=params.tensor_parallel_size,
+        with_policy=bool(params.reward),
     )
     pool: EnginePool | None = None
+    policy = None
     reports: list[IterationReport] = []
+    training: list[dict] = []
     try:
         pool = create_engines(
             scope=scope,
@@ -83,17 +101,30 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             max_len=params.max_len,
             gpu_memory_utilization=params.gpu_memory_utilization,
             seed=params.seed,
+            engine_kwargs=params.engine_kwargs,
         )
         wait_until_ready.with_options(retries=params.engine_retries)(pool, params.ready_timeout_s)
+        if params.reward:
+            policy = start_policy(
+                policy_config(params, model, pool.engines.backend),
+                name=scope.policy_name,
+                namespace=scope.namespace,
+                num_gpus=1 if pool.engines.backend == "vllm" else 0,
+                ready_timeout_s=params.ready_timeout_s,
+            )
+            init_weight_sync(policy, list(pool.engines))
         generate = generate_rollouts.with_options(retries=params.engine_retries)
         for iteration in range(params.iterations):
             plan = generation_plan(params, run_dir, iteration)
             progress = start_progress(iteration, 0, len(plan_shards(len(prompts), plan.shard_size)))
-            reports.append(generate(pool, prompts, plan, progress))
-            # Weight sync (issue 4) goes here: score and train on
-            # reports[-1].directory, then sync the new weights into `pool`,
-            # so that iteration + 1 samples from them. Without a trainer each
-            # iteration is one more round of rollouts (with new seeds).
+            reports.append(generate(pool, prompts, plan, progress, policy))
+            if policy is not None:
+                # Iteration + 1 samples from the weights trained on this one.
+                step = train_on_rollouts(
+                    policy, reports[-1].directory, reward=params.reward, iteration=iteration
+                )
+                synced = sync_weights(policy, list(pool.engines), iteration=iteration)
+                training.append(training_row(step, synced))
         summary = RunSummary(
             run_id=scope.run_id,
             attempt=scope.attempt,
@@ -102,6 +133,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             generate_calls=sum(stats.generate_calls for stats in pool.stats),
             seconds=round(time.monotonic() - began, 2),
             iterations=reports,
+            training=training,
         )
         write_atomically(run_dir / SUMMARY_FILE, [json.dumps(asdict(summary), indent=2)])
         publish_summary(summary_markdown(summary, pool))
@@ -109,10 +141,12 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         return summary
     finally:
         try:
-            teardown(pool, scope, cluster)
+            teardown(pool, scope, cluster, policy)
         finally:
             if pool is not None:  # also after a failure: it shows which engine failed
                 publish_engine_table(pool)
+            if training:
+                publish_training_table(training)
 
 
 def generation_plan(params: RolloutParams, run_dir: Path, iteration: int) -> GenerationPlan:
@@ -129,6 +163,32 @@ def generation_plan(params: RolloutParams, run_dir: Path, iteration: int) -> Gen
     )
 
 
+def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConfig:
+    """The reference policy for an on-policy run. The transport follows
+    placement: NCCL from the policy's own GPU to vLLM engines, gloo on CPU."""
+    on_gpu = backend == "vllm"
+    return PolicyConfig(
+        pretrain=model,
+        learning_rate=params.learning_rate,
+        seed=params.seed,
+        device="cuda" if on_gpu else "cpu",
+        sync_backend="nccl" if on_gpu else "gloo",
+    )
+
+
+def training_row(step: dict, synced: dict) -> dict:
+    """One row of the run's training table."""
+    return {
+        "iteration": step["iteration"],
+        "mean_reward": round(step["mean_reward"], 4),
+        "samples": step["samples"],
+        "weight_version": synced["version"],
+        "sync_bytes": synced["bytes"],
+        "sync_seconds": round(synced["seconds"], 4),
+        "sync_gb_per_s": round(synced["gb_per_s"], 3),
+    }
+
+
 def manifest(params: RolloutParams, prompts, model: str) -> dict:
     """What the shards' content depends on: a rerun may reuse shards only if
     all of it is unchanged (engine count, timeouts and the like do not matter)."""
@@ -140,6 +200,8 @@ def manifest(params: RolloutParams, prompts, model: str) -> dict:
         "seed": params.seed,
         "shard_size": params.shard_size,
         "output_format": params.output_format,
+        "reward": params.reward,
+        "learning_rate": params.learning_rate,
     }
 
 
@@ -159,6 +221,17 @@ def summary_markdown(summary: RunSummary, pool: EnginePool) -> str:
         f"| {r.iteration} | {r.shards} | {r.shards_skipped} | {r.rows} | {r.seconds:.1f} |"
         for r in summary.iterations
     ]
+    if summary.training:
+        lines += [
+            "",
+            "| iteration | mean reward | weight version | sync seconds | GB/s |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {t['iteration']} | {t['mean_reward']:.3f} | {t['weight_version']} "
+            f"| {t['sync_seconds']:.3f} | {t['sync_gb_per_s']:.3f} |"
+            for t in summary.training
+        ]
     return "\n".join(lines)
 
 

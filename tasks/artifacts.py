@@ -16,6 +16,7 @@ from tasks.pool import EnginePool
 
 ENGINES_KEY = "rollout-engines"
 SUMMARY_KEY = "rollout-summary"
+TRAINING_KEY = "rollout-training"
 
 
 def start_progress(iteration: int, done: int, total: int) -> UUID:
@@ -42,3 +43,12 @@ def publish_engine_table(pool: EnginePool) -> None:
 
 def publish_summary(markdown: str) -> None:
     create_markdown_artifact(markdown, key=SUMMARY_KEY, description="Rollout run summary")
+
+
+def publish_training_table(rows: list[dict]) -> None:
+    create_table_artifact(
+        key=TRAINING_KEY,
+        table=rows,
+        description="Per iteration: mean reward, policy step, and the weight sync that "
+        "followed (version, bytes, seconds, GB/s).",
+    )

@@ -15,6 +15,7 @@ import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.errors import EngineSpecError
 from engines.placement import check_cluster_fits
 from engines.vllm_engine import resolve_backend
 from flows.settings import RAY_ADDRESS
@@ -54,15 +55,26 @@ def provision_cluster(
     backend: str,
     num_engines: int,
     tensor_parallel_size: int,
+    with_policy: bool = False,
 ) -> Cluster:
+    """Start or connect to Ray; check that the engines (and the policy of an
+    on-policy run: one more GPU, or CPU) fit before anything is created."""
     logger = get_run_logger()
-    needed = num_engines * tensor_parallel_size
+    needed = num_engines * tensor_parallel_size + int(with_policy)
     started = connect(address, local_num_cpus or max(os.cpu_count() or 1, needed), scope.namespace)
     try:
         chosen = resolve_backend(backend)
         check_cluster_fits(
             num_engines, tensor_parallel_size, uses_gpu=ray.cluster_resources().get("GPU", 0) > 0
         )
+        if with_policy:
+            resource = "GPU" if chosen == "vllm" else "CPU"
+            have = ray.cluster_resources().get(resource, 0)
+            if have < needed:
+                raise EngineSpecError(
+                    f"the policy needs a {resource} beside the engines' "
+                    f"{needed - 1}: {needed} in all, but the cluster has {have:g}"
+                )
         # A UI "Retry" runs the flow again under the same run id: whatever an
         # earlier attempt left (a killed process cannot clean up) is removed.
         leftovers = sweep_run(scope.run_id)

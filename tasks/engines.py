@@ -48,6 +48,7 @@ def create_engines(
     max_len: int,
     gpu_memory_utilization: float,
     seed: int,
+    engine_kwargs: dict | None = None,
 ) -> EnginePool:
     """Start the engines (returns at once; `wait_until_ready` waits for them)."""
     engines = create_vllm_engines(
@@ -60,6 +61,7 @@ def create_engines(
         backend=cluster.backend,
         name_prefix=scope.name_prefix,
         namespace=scope.namespace,
+        **(engine_kwargs or {}),
     )
     get_run_logger().info("starting %s in namespace %s", engines.names, engines.namespace)
     return EnginePool(engines)
@@ -112,12 +114,14 @@ def wait_until_ready(pool: EnginePool, timeout_s: float) -> dict[str, float | No
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def teardown(pool: EnginePool | None, scope: RunScope, cluster: Cluster) -> None:
+def teardown(pool: EnginePool | None, scope: RunScope, cluster: Cluster, policy=None) -> None:
     """Stop the run's engines (by handle, then by name: a replaced engine's
-    predecessor or an earlier attempt's leftovers too) and a local Ray
-    started for the run."""
+    predecessor or an earlier attempt's leftovers too), its policy actor and
+    a local Ray started for the run."""
     logger = get_run_logger()
     try:
+        if policy is not None:
+            ray.kill(policy, no_restart=True)
         if pool is not None:
             destroy_engines(pool.engines)
         swept = sweep_run(scope.run_id)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import SamplingParams
+from engines.client import get
 from tasks.artifacts import update_progress
 from tasks.dispatch import run_shards
 from tasks.engines import retry_on_engine_failure, wait_ready
@@ -58,14 +60,23 @@ class IterationReport:
     retry_condition_fn=retry_on_engine_failure,
 )
 def generate_rollouts(
-    pool: EnginePool, prompts: Prompts, plan: GenerationPlan, progress_id: UUID
+    pool: EnginePool,
+    prompts: Prompts,
+    plan: GenerationPlan,
+    progress_id: UUID,
+    policy: Any = None,
 ) -> IterationReport:
+    """`policy`: the trainer of an on-policy run; a replacement engine gets its
+    current weights before any work, so an iteration never mixes versions."""
     logger = get_run_logger()
     began = time.monotonic()
     # A retry after an engine failure: the dead engine is replaced first (same
     # name, config and bundle) and must be up before it gets work.
     if pool.replace_failed(logger):
         wait_ready(pool, plan.ready_timeout_s)
+        if policy is not None:
+            report = get(policy.sync_weights.remote(list(pool.engines)), plan.ready_timeout_s)
+            logger.info("replacement engine synced to weight version %d", report["version"])
 
     store = ShardStore(plan.directory, plan.output_format)
     store.remove_partial_files()

@@ -34,6 +34,10 @@ class RunScope:
         # in the prefix and not only in the namespace.
         return f"rf-{self.run_id}-a{self.attempt}"
 
+    @property
+    def policy_name(self) -> str:
+        return f"{self.name_prefix}-policy"
+
 
 def run_namespace(run_id: str) -> str:
     return f"rolloutflow-{run_id}"
@@ -58,9 +62,18 @@ def leftover_prefixes(run_id: str) -> set[str]:
 
 
 def sweep_run(run_id: str, timeout_s: float = 30.0) -> list[str]:
-    """Kill the run's engines and remove its placement groups, every attempt's;
-    idempotent. Returns the prefixes that had something left."""
+    """Kill the run's engines and policy actors and remove its placement
+    groups, every attempt's; idempotent. Returns the prefixes that had
+    something left."""
     prefixes = sorted(leftover_prefixes(run_id))
     for prefix in prefixes:
         destroy_engines(name_prefix=prefix, namespace=run_namespace(run_id), timeout_s=timeout_s)
+    policy = re.compile(rf"^rf-{re.escape(run_id)}-a\d+-policy$")
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == run_namespace(run_id) and policy.match(actor["name"]):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            except ValueError:  # already gone
+                continue
+            prefixes.append(actor["name"])
     return prefixes

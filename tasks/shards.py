@@ -164,3 +164,18 @@ def read_rows(directory: str | Path) -> list[dict[str, Any]]:
     for path in sorted(directory.glob("shard-*.parquet")):
         rows += pq.read_table(path).to_pylist()
     return rows
+
+
+def set_aside_iterations(run_dir: Path, attempt: int) -> Path | None:
+    """An on-policy run cannot reuse an earlier attempt's rollouts: they came
+    from a policy whose trained state died with that attempt (it is not
+    checkpointed). Move them to `superseded-a<attempt>/`, kept for inspection,
+    so this attempt starts its iterations over. Returns where they went."""
+    earlier = sorted(run_dir.glob("iter-*"))
+    if not earlier:
+        return None
+    aside = run_dir / f"superseded-a{attempt}"
+    aside.mkdir(exist_ok=True)
+    for directory in earlier:
+        directory.rename(aside / directory.name)
+    return aside

@@ -46,6 +46,12 @@ def ray_local():
     return start_local_ray()
 
 
+@pytest.fixture(scope="module")
+def ray_local_module():
+    """`ray_local` for module-scoped fixtures."""
+    return start_local_ray()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shutdown_ray_at_exit():
     yield

@@ -42,10 +42,7 @@ TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model):
-    from conftest import start_local_ray
-
-    start_local_ray()
+def setup(tiny_model, ray_local_module):
     engines = create_vllm_engines(
         2, tiny_model, max_len=256, gpu_memory_utilization=0.5, backend="hf", name_prefix=PREFIX
     )

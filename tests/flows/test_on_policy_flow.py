@@ -1,0 +1,84 @@
+"""The on-policy loop through the rollout flow: generate -> score -> GRPO step
+-> weight sync -> generate, on the tiny model and the toy reward (CPU, gloo)."""
+
+from __future__ import annotations
+
+import threading
+
+from rollout_support import kill_engine, nothing_left, run_dirs, small_run, wait_until
+from test_rollout_flow import artifacts_of
+
+from flows.params import RolloutParams
+from flows.rollout import rollout
+from tasks.shards import read_rows
+
+REWARD = "training.rewards:target_chars_fraction"
+
+
+def on_policy_run(model, output_dir, **overrides) -> RolloutParams:
+    settings = {
+        "reward": REWARD,
+        "learning_rate": 0.03,
+        "n": 8,
+        "max_tokens": 16,
+        "shard_size": 16,
+        **overrides,
+    }
+    return RolloutParams(**small_run(model, output_dir, **settings))
+
+
+def versions(run_dir, iteration: int) -> set[int]:
+    return {row["weight_version"] for row in read_rows(run_dir / f"iter-{iteration:03d}")}
+
+
+def test_on_policy_flow_learns_and_serves_the_synced_weights(ray_local, tiny_model, tmp_path):
+    state = rollout(on_policy_run(tiny_model, tmp_path, iterations=4), return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    rewards = [step["mean_reward"] for step in summary.training]
+    # Measured: 0.08 -> 0.08 -> 0.43 -> 0.88 with these seeds; a random policy
+    # scores ~0.08. The bar needs a real learning signal, with room for drift.
+    assert rewards[-1] - rewards[0] > 0.3, rewards
+    assert [step["weight_version"] for step in summary.training] == [1, 2, 3, 4]
+    run_dir = tmp_path / summary.run_id
+    # Iteration i samples from the weights the policy had after i steps.
+    assert [versions(run_dir, i) for i in range(4)] == [{0}, {1}, {2}, {3}]
+    tables = artifacts_of(state.state_details.flow_run_id)["table"]
+    training = [t for t in tables if t.key == "rollout-training"]
+    assert len(training) == 1
+    nothing_left(summary.run_id)  # engines, placement group and the policy actor
+
+
+def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tmp_path):
+    """An engine killed in iteration 1 is replaced and gets the policy's
+    current weights first: no row of iteration 1 comes from version 0."""
+
+    def kill_during_iteration_1():
+        wait_until(lambda: run_dirs(tmp_path), 120, "the run directory")
+        (run_dir,) = run_dirs(tmp_path)
+        wait_until(lambda: list(run_dir.glob("iter-001/shard-*")), 300, "iteration 1")
+        killed.append(kill_engine(run_dir.name, 1))
+
+    killed: list[str] = []
+    killer = threading.Thread(target=kill_during_iteration_1, daemon=True)
+    killer.start()
+    params = on_policy_run(
+        tiny_model,
+        tmp_path,
+        iterations=2,
+        shard_size=1,
+        shards_per_engine=1,
+        max_len=256,
+        max_tokens=64,
+        ignore_eos=True,
+    )
+    state = rollout(params, return_state=True)
+    killer.join(timeout=5)
+    assert state.is_completed(), state.message
+    assert killed, "the engine was not killed during iteration 1"
+    summary = state.result()
+    run_dir = tmp_path / summary.run_id
+    assert versions(run_dir, 0) == {0}
+    assert versions(run_dir, 1) == {1}
+    assert len(read_rows(run_dir / "iter-001")) == 32 * 8
+    nothing_left(summary.run_id)
