@@ -12,10 +12,27 @@ import abc
 from typing import Any
 
 from engines.config import EngineConfig
-from engines.errors import PromptTooLongError, RequestError
+from engines.errors import EngineSleepingError, PromptTooLongError, RequestError
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.weight_api import WeightUpdateAPI
+
+# What sleep releases and `wake_up(tags)` restores (vLLM's tag names).
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+
+
+def check_sleep_level(level: int) -> None:
+    if level not in (1, 2):
+        raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
+
+
+def wake_tags(tags: list[str] | None) -> set[str]:
+    """The tags a `wake_up(tags)` call wakes (all when None)."""
+    chosen = set(tags) if tags is not None else set(SLEEP_TAGS)
+    unknown = chosen - SLEEP_TAGS
+    if unknown:
+        raise RequestError(f"unknown wake_up tags {sorted(unknown)}; use {sorted(SLEEP_TAGS)}")
+    return chosen
 
 
 def normalize_prompts(prompt_token_ids: Any) -> list[list[int]]:
@@ -48,6 +65,8 @@ class RolloutEngine(WeightUpdateAPI, abc.ABC):
         # that fails part-way marks the engine stale: it refuses work until resynced.
         self.weight_version = 0
         self.stale = False
+        # Tags still asleep after `sleep`; the engine serves only when empty.
+        self._asleep: set[str] = set()
 
     # --- generation ---------------------------------------------------------
     @abc.abstractmethod
@@ -123,6 +142,10 @@ class RolloutEngine(WeightUpdateAPI, abc.ABC):
                     f"prompt {i} has {len(prompt)} tokens; max_len={self.config.max_len} "
                     f"leaves no room to generate (engine {self.config.name})"
                 )
+        if self._asleep:
+            raise EngineSleepingError(
+                f"engine {self.config.name} is asleep ({sorted(self._asleep)}); call wake_up first"
+            )
         if self.stale:
             raise RequestError(
                 f"engine {self.config.name} holds stale weights after a failed sync "

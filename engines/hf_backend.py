@@ -24,11 +24,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from engines import env
-from engines.base import RolloutEngine, normalize_prompts
+from engines.base import (
+    SLEEP_TAGS,
+    RolloutEngine,
+    check_sleep_level,
+    normalize_prompts,
+    wake_tags,
+)
 from engines.config import EngineConfig
 from engines.errors import (
     EngineDeadError,
-    EngineSleepingError,
     EngineTimeoutError,
     RequestError,
 )
@@ -46,7 +51,6 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
 
 class HFWorker(WeightSyncWorkerExtension):
@@ -132,7 +136,6 @@ class HFEngine(RolloutEngine):
         self._pending: list[_Request] = []
         self._running = 0
         self._paused = False
-        self._asleep: set[str] = set()
         self._stopping = False
         self._thread_error: BaseException | None = None
         # Held while a batch runs and while weights change: no batch ever sees
@@ -165,10 +168,6 @@ class HFEngine(RolloutEngine):
                 raise RequestError(
                     f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}"
                 )
-        if self._asleep:
-            raise EngineSleepingError(
-                f"engine {self.config.name} is asleep ({sorted(self._asleep)}); call wake_up first"
-            )
         self._raise_if_dead()
         loop = asyncio.get_running_loop()
         requests = [self._new_request(prompt, params, loop) for prompt in prompts]
@@ -199,8 +198,7 @@ class HFEngine(RolloutEngine):
         return info
 
     async def sleep(self, level: int = 1) -> None:
-        if level not in (1, 2):
-            raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
+        check_sleep_level(level)
         # Nothing to offload on the CPU: sleeping means serving no work until
         # woken, like vLLM's sleep mode.
         await self.pause_generation()
@@ -208,10 +206,7 @@ class HFEngine(RolloutEngine):
         await self.resume_generation()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        tags_set = set(tags) if tags is not None else set(SLEEP_TAGS)
-        unknown = tags_set - SLEEP_TAGS
-        if unknown:
-            raise RequestError(f"unknown wake_up tags {sorted(unknown)}; use {sorted(SLEEP_TAGS)}")
+        tags_set = wake_tags(tags)
         self._asleep -= tags_set
 
     async def pause_generation(self) -> None:

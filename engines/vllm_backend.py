@@ -34,11 +34,16 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
 import ray
 from transformers import AutoTokenizer
 
-from engines.base import RolloutEngine, normalize_prompts
+from engines.base import (
+    SLEEP_TAGS,
+    RolloutEngine,
+    check_sleep_level,
+    normalize_prompts,
+    wake_tags,
+)
 from engines.config import EngineConfig
 from engines.errors import (
     EngineDeadError,
-    EngineSleepingError,
     EngineTimeoutError,
     RequestError,
 )
@@ -48,7 +53,6 @@ from engines.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
-SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
 
 def vllm_sampling_params(value: Any) -> vllm.SamplingParams:
@@ -142,7 +146,6 @@ class VLLMEngine(RolloutEngine):
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
-        self._asleep: set[str] = set()
         self._paused = False
         # This actor is the engine's front end, as vLLM's API server process
         # is: like it, keep the start-up heap (vLLM, torch, transformers) out
@@ -170,10 +173,6 @@ class VLLMEngine(RolloutEngine):
         prompts = normalize_prompts(prompt_token_ids)
         # check_request reads only the prompts and the engine's state.
         self.check_request(prompts, params)
-        if self._asleep:
-            raise EngineSleepingError(
-                f"engine {self.config.name} is asleep ({sorted(self._asleep)}); call wake_up first"
-            )
         self._raise_if_dead()
         version = self.weight_version
         tasks = [asyncio.ensure_future(self._one(prompt, params, version)) for prompt in prompts]
@@ -260,8 +259,7 @@ class VLLMEngine(RolloutEngine):
         return await self.engine.reset_prefix_cache()
 
     async def sleep(self, level: int = 1) -> None:
-        if level not in (1, 2):
-            raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
+        check_sleep_level(level)
         if not self.sleep_mode:
             raise RequestError(
                 f"engine {self.config.name} was started without sleep mode: pass "
@@ -273,10 +271,7 @@ class VLLMEngine(RolloutEngine):
         self._asleep = set(SLEEP_TAGS)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        tags_set = set(tags) if tags is not None else set(SLEEP_TAGS)
-        unknown = tags_set - SLEEP_TAGS
-        if unknown:
-            raise RequestError(f"unknown wake_up tags {sorted(unknown)}; use {sorted(SLEEP_TAGS)}")
+        tags_set = wake_tags(tags)
         await self.engine.wake_up(sorted(tags_set))
         self._asleep -= tags_set
 
