@@ -1,4 +1,5 @@
-"""Every environment variable the project reads or sets, in one place.
+"""Every environment variable the project reads or sets, in one place
+(engines, flows and tasks alike).
 
 Variables for engine actors are passed through Ray's `runtime_env`, never by
 editing `os.environ` inside an actor.
@@ -17,6 +18,19 @@ READY_TIMEOUT_S = "ROLLOUTFLOW_READY_TIMEOUT_S"
 CACHE_DIR = "ROLLOUTFLOW_CACHE_DIR"
 #: torch threads per CPU engine actor (1: more threads thrash small machines).
 TORCH_THREADS = "ROLLOUTFLOW_TORCH_THREADS"
+
+# --- read by the flow layer (flows/, tasks/) -----------------------------------
+#: Ray's own: the cluster to connect to when no address is given.
+RAY_ADDRESS = "RAY_ADDRESS"
+#: Prefect's home (profiles, local database). The CLI points it at the
+#: repository's `.prefect-home` unless set: the default `~/.prefect` is shared
+#: by every project of the user.
+PREFECT_HOME = "PREFECT_HOME"
+#: Prefect's API; when set, the CLI leaves PREFECT_HOME alone (a real server).
+PREFECT_API_URL = "PREFECT_API_URL"
+#: Off: analytics writes to the local SQLite database and causes
+#: "database is locked" noise.
+PREFECT_SERVER_ANALYTICS_ENABLED = "PREFECT_SERVER_ANALYTICS_ENABLED"
 
 # --- set for engine actors (runtime_env) --------------------------------------
 #: vLLM's Ray executor: which bundles of the engine's placement group to use.

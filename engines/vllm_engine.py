@@ -151,7 +151,7 @@ def existing_engine_names(name_prefix: str, namespace: str) -> list[str]:
 
 def ensure_ray() -> None:
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS", "local")
+        address = os.environ.get(env.RAY_ADDRESS, "local")
         logger.info("Ray is not initialised: ray.init(address=%r)", address)
         ray.init(address=address)
 

@@ -15,7 +15,7 @@ import os
 import ray
 from prefect.logging.loggers import flow_run_logger
 
-from flows.settings import RAY_ADDRESS
+from engines.env import RAY_ADDRESS
 from tasks.scope import sweep_run
 
 

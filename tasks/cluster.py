@@ -15,10 +15,10 @@ import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.env import RAY_ADDRESS
 from engines.errors import EngineSpecError
 from engines.placement import check_cluster_fits
 from engines.vllm_engine import resolve_backend
-from flows.settings import RAY_ADDRESS
 from tasks.scope import RunScope, sweep_run
 
 
