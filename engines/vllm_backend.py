@@ -62,20 +62,8 @@ def vllm_sampling_params(value: Any) -> vllm.SamplingParams:
     if isinstance(value, vllm.SamplingParams):
         params = value.clone()
     else:
-        ours = SamplingParams.coerce(value)
-        params = vllm.SamplingParams(
-            n=ours.n,
-            temperature=ours.temperature,
-            top_p=ours.top_p,
-            top_k=ours.top_k,
-            max_tokens=ours.max_tokens,
-            min_tokens=ours.min_tokens,
-            seed=ours.seed,
-            stop_token_ids=list(ours.stop_token_ids),
-            ignore_eos=ours.ignore_eos,
-            logprobs=ours.logprobs,
-            prompt_logprobs=ours.prompt_logprobs,
-        )
+        # Our fields are vLLM's, by name and meaning.
+        params = vllm.SamplingParams(**SamplingParams.coerce(value).model_dump())
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
 
