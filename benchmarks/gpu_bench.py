@@ -1,13 +1,13 @@
 """GPU figures, ours against plain vLLM, printed side by side (H200 hosts; see
 docs/benchmarks.md for results and tests/gpu/README.md for running there).
 
-    python3 benchmarks/gpu_bench.py [--sections rollout,ipc,nccl] [--json out.json]
+    python3 benchmarks/gpu_bench.py [--json out.json]
 
 rollout: the same model, prompts and sampling through `vllm.LLM.generate` in
   a plain process, then through `create_vllm_engines` + our `generate`:
   start-up to ready (both cold: vLLM's compile cache is off) and output
   tokens/s (median of --repeats timed runs after a warm-up), as a ratio.
-ipc / nccl: weight-sync figures (benchmarks/gpu_bench_sync.py); nccl needs 2 GPUs.
+Weight-sync figures: benchmarks/gpu_bench_sync.py.
 """
 
 from __future__ import annotations
@@ -169,7 +169,6 @@ def rollout(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default="rollout,ipc,nccl")
     parser.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "bench-llama-0.28b"))
     parser.add_argument("--prompts", type=int, default=1024)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -185,17 +184,11 @@ def main() -> None:
         plain_vllm(args)
         return
     figures = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv}
-    sections = args.sections.split(",")
     if not (Path(args.model) / "config.json").exists():
         from engines.tiny_model import build_tiny_model
 
         build_tiny_model(args.model, **MODEL_SHAPE)
-    if "rollout" in sections:
-        figures["rollout"] = rollout(args)
-    if {"ipc", "nccl"} & set(sections):
-        from gpu_bench_sync import weight_sync
-
-        figures.update(weight_sync(args, sections))
+    figures["rollout"] = rollout(args)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 

@@ -1,140 +1,300 @@
-"""Weight-sync figures of benchmarks/gpu_bench.py (sections ipc, nccl): one
-sync of the whole model through the trainer's `sync_weights`, against the raw
-operation on the same bytes.
+"""Weight-sync figures on the H200 hosts: our syncs against the raw operation
+on the same bytes, for models of several sizes, printed side by side.
 
-ipc:  trainer and engine on one GPU (CUDA IPC) vs. one on-device copy.
-nccl: trainer on one GPU, engine on the other (bucketed NCCL broadcast) vs.
-      one raw NCCL broadcast (vLLM's PyNcclCommunicator, as our group uses).
+    python3 benchmarks/gpu_bench_sync.py [--sizes 0.28b,7b] [--syncs 3] [--json out.json]
 
-Each figure is the second of two syncs (the first pays one-time set-up);
-`transfer` is the phase that moves bytes (the buckets, their control calls
-and the engine's load_weights); `total` adds check, begin, verify, finish.
+Per size: one vLLM engine (eager) on GPU 0, and two trainers holding bf16
+weights of the engine's layout: one on GPU 0 (CUDA IPC, colocated) and one on
+GPU 1 (bucketed NCCL broadcast; skipped on a one-GPU host).
+Raw: one on-device copy of the same bytes on GPU 0 (the floor of a CUDA IPC
+sync: the engine must copy every byte into its own weights once), and one
+NCCL broadcast of the same bytes from GPU 1 to GPU 0 (vLLM's PyNccl, as our
+group uses). Each trainer syncs `--syncs` times (new weights every time); the
+first sync pays one-time set-up, the last is the steady state.
+
+The 0.28B model is the GPU tests' model (random weights, written with
+transformers). The 7B model has Llama-3-8B's layer shapes (hidden 4096, 32
+layers, MLP 14336, 32/8 heads; vocabulary 32,000): the engine starts from
+vLLM's dummy weights (`load_format="dummy"`), its checkpoint is a sparse
+safetensors file (headers only: the engines read their layout from it), and
+the trainers send random bf16 tensors. The values do not change how fast bytes move.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# The GPU tests' trainer (the reference policy in bf16): one definition.
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+sys.path.insert(0, str(ROOT))
 
 TIMEOUT_S = 300
 ENGINE = dict(max_len=2048, gpu_memory_utilization=0.3, backend="vllm", enforce_eager=True)
+SMALL = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16", init_std=0.02)
+LLAMA_8B = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
 
 
-class RawPeer:
-    """One rank of a bare NCCL broadcast (no buckets, no control calls)."""
+def build_sparse_model(path: Path, shape: dict) -> Path:
+    """A Llama checkpoint of `shape` whose tensors are all zeros and take no
+    disk space (a sparse file): enough for an engine started with
+    `load_format="dummy"`, which reads only config, tokenizer and headers."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    def run(self, host: str, port: int, rank: int, nbytes: int, repeats: int) -> float:
+    from engines.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * 2
+        span = [offset, offset + nbytes]
+        header[name] = {"dtype": "BF16", "shape": list(param.shape), "data_offsets": span}
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + offset)
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class SyncPeer:
+    """A trainer for the benchmark: bf16 weights in the engine's layout (HF
+    names, as the checkpoint's headers list them) on its GPU, and our senders."""
+
+    def __init__(self, model_dir: str):
+        import torch
+
+        from engines.weight_sync import checkpoint
+
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        generator = torch.Generator(self.device).manual_seed(0)
+        self.weights = []
+        for spec in checkpoint.read_manifest(model_dir).params:
+            tensor = torch.empty(spec.shape, dtype=torch.bfloat16, device=self.device)
+            tensor.normal_(0.0, 0.02, generator=generator)
+            self.weights.append((spec.name, tensor))
+        self.sender = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.weights)
+
+    def connect(self, engines: list, transport: str) -> None:
+        from engines.weight_sync import BroadcastSender, CudaIpcSender, SyncConfig
+
+        config = SyncConfig(timeout_s=120.0)
+        if transport == "nccl":
+            self.sender = BroadcastSender(config, backend="nccl", device=self.device)
+        else:
+            self.sender = CudaIpcSender(config)
+        self.sender.init(engines)
+
+    def sync(self, version: int) -> dict:
+        import torch
+
+        # New weights in place, as an optimizer step leaves them.
+        with torch.no_grad():
+            for _, tensor in self.weights:
+                tensor.mul_(1.001)
+        return self.sender.sync(self.weights, version).as_dict()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+    def device_copy_seconds(self, nbytes: int, repeats: int = 5) -> float:
+        """Best of `repeats` on-device copies of `nbytes`."""
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def raw_broadcast_seconds(self, host: str, port: int, rank: int, nbytes: int) -> float:
+        """Mean of 5 bare NCCL broadcasts of `nbytes` from rank 0 (no buckets,
+        no control calls), after a warm-up."""
         import torch
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        device = torch.device("cuda", torch.cuda.current_device())
         group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=2)
-        comm = PyNcclCommunicator(group, device=device)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        comm.broadcast(buffer, src=0)  # warm-up
-        torch.cuda.synchronize(device)
+        comm = PyNcclCommunicator(group, device=self.device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        comm.broadcast(buffer, src=0)
+        torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(5):
             comm.broadcast(buffer, src=0)
-        torch.cuda.synchronize(device)
-        seconds = (time.perf_counter() - start) / repeats
+        torch.cuda.synchronize(self.device)
+        seconds = (time.perf_counter() - start) / 5
+        del buffer
         comm.destroy()
         return seconds
 
 
-def two_syncs(ray, policy, engines, **init: Any) -> dict:
-    ray.get(policy.init_weight_sync.remote(engines, **init), timeout=TIMEOUT_S)
-    report = None
-    for seed in (1, 2):
-        ray.get(policy.perturb.remote(0.01, seed), timeout=TIMEOUT_S)
-        report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
-    return report
-
-
-def ipc(args) -> dict:
-    import ray
-    from gpu_trainer import start_bf16_policy
+def bench_size(ray, name: str, model_dir: Path, syncs: int, two_gpus: bool) -> dict:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from engines import create_vllm_engines, destroy_engines
-
-    pg = placement_group([{"GPU": 1, "CPU": 2}])
-    ray.get(pg.ready(), timeout=60)
-    engines = create_vllm_engines(
-        1, args.model, shared_pg=pg, name_prefix="bench-ipc", enable_sleep_mode=True, **ENGINE
-    )
-    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-    policy = start_bf16_policy(args.model, num_cpus=0.2, num_gpus=0.2, scheduling_strategy=strategy)
-    try:
-        ray.get(engines[0].ready.remote(), timeout=TIMEOUT_S)
-        report = two_syncs(ray, policy, engines, transport="cuda_ipc")
-        copy_s = ray.get(policy.time_device_copy.remote(report["bytes"]), timeout=TIMEOUT_S)
-    finally:
-        ray.kill(policy)
-        destroy_engines(engines)
-        remove_placement_group(pg)
-    return {"report": report, "raw_seconds": copy_s, "raw": "on-device copy (torch copy_)"}
-
-
-def nccl(args) -> dict:
-    import ray
-    from gpu_trainer import start_bf16_policy
-
-    from engines import create_vllm_engines, destroy_engines
     from engines.weight_sync.broadcast import free_port
 
-    engines = create_vllm_engines(1, args.model, name_prefix="bench-nccl", **ENGINE)
-    policy = start_bf16_policy(args.model, num_cpus=1, num_gpus=1)
+    dummy = {"load_format": "dummy"} if name != "0.28b" else {}
+    pg = placement_group([{"GPU": 1, "CPU": 2}])
+    ray.get(pg.ready(), timeout=60)
+    peer_cls = ray.remote(SyncPeer)
+    near = peer_cls.options(
+        num_cpus=0.2,
+        num_gpus=0.2,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    ).remote(str(model_dir))
+    far = peer_cls.options(num_cpus=1, num_gpus=1).remote(str(model_dir)) if two_gpus else None
+    # The trainers' memory is taken before vLLM measures what it may use.
+    ray.get([p.nbytes.remote() for p in (near, far) if p is not None], timeout=TIMEOUT_S)
+    started = time.time()
+    engines = create_vllm_engines(
+        1, str(model_dir), shared_pg=pg, name_prefix=f"bench-{name}", **ENGINE, **dummy
+    )
+    figures: dict[str, Any] = {}
     try:
         ray.get(engines[0].ready.remote(), timeout=TIMEOUT_S)
-        report = two_syncs(ray, policy, engines, transport="broadcast", backend="nccl")
+        figures["engine_ready_s"] = time.time() - started
+        nbytes = ray.get(near.nbytes.remote(), timeout=TIMEOUT_S)
+        figures["bytes"] = nbytes
+        version = 0
+        for transport, peer in (("ipc", near), ("nccl", far)):
+            if peer is None:
+                continue
+            ray.get(peer.connect.remote(engines, transport), timeout=TIMEOUT_S)
+            reports = []
+            for _ in range(syncs):
+                version += 1
+                reports.append(ray.get(peer.sync.remote(version), timeout=TIMEOUT_S))
+            ray.get(peer.close.remote(), timeout=TIMEOUT_S)
+            figures[transport] = {"reports": reports}
+        copy = near.device_copy_seconds.remote(nbytes)
+        figures["ipc"]["raw_s"] = ray.get(copy, timeout=TIMEOUT_S)
     finally:
-        ray.kill(policy)
         destroy_engines(engines)
-    peer = ray.remote(num_gpus=1, num_cpus=1)(RawPeer)
-    peers = [peer.remote() for _ in range(2)]
-    host, port = ray.util.get_node_ip_address(), free_port()
-    times = ray.get(
-        [p.run.remote(host, port, rank, report["bytes"], 5) for rank, p in enumerate(peers)],
-        timeout=TIMEOUT_S,
+    if far is not None:
+        host, port = ray.util.get_node_ip_address(), free_port()
+        times = ray.get(
+            [
+                p.raw_broadcast_seconds.remote(host, port, rank, nbytes)
+                for rank, p in enumerate((far, near))
+            ],
+            timeout=TIMEOUT_S,
+        )
+        figures["nccl"]["raw_s"] = max(times)
+    for peer in (near, far):
+        if peer is not None:
+            ray.kill(peer)
+    remove_placement_group(pg)
+    return figures
+
+
+def model_dir(name: str, root: Path) -> Path:
+    path = root / f"bench-llama-{name}"
+    if not (path / "config.json").exists():
+        if name == "0.28b":
+            from engines.tiny_model import build_tiny_model
+
+            build_tiny_model(path, **SMALL)
+        else:
+            build_sparse_model(path, LLAMA_8B)
+    return path
+
+
+def print_table(results: dict) -> None:
+    print("\n== weight sync: the whole model, bf16, one engine; last of the syncs ==")
+    print(
+        f"{'':16}{'bytes':>16}{'transfer s':>12}{'total s':>10}{'GB/s':>8}"
+        f"{'raw s':>10}{'raw GB/s':>10}{'total/raw rate':>16}"
     )
-    for p in peers:
-        ray.kill(p)
-    return {"report": report, "raw_seconds": max(times), "raw": "NCCL broadcast (PyNccl)"}
+    for size, figures in results.items():
+        for transport in ("ipc", "nccl"):
+            if transport not in figures:
+                continue
+            fig, nbytes = figures[transport], figures["bytes"]
+            last = fig["reports"][-1]
+            rate, raw_rate = nbytes / last["seconds"] / 1e9, nbytes / fig["raw_s"] / 1e9
+            print(
+                f"{size + ' ' + transport:16}{nbytes:>16,}{last['phases']['transfer']:>12.4f}"
+                f"{last['seconds']:>10.4f}{rate:>8.1f}{fig['raw_s']:>10.5f}{raw_rate:>10.1f}"
+                f"{rate / raw_rate:>16.3f}"
+            )
+            totals = ", ".join(f"{r['seconds']:.4f}" for r in fig["reports"])
+            print(f"  every sync's total s: {totals}; last phases {last['phases']}")
+        print(f"  {size}: engine ready in {figures['engine_ready_s']:.1f}s")
 
 
-def weight_sync(args, sections: list[str]) -> dict:
+def weight_sync(sizes: list[str], syncs: int, root: Path) -> dict:
     import ray
+    import torch
 
+    two_gpus = torch.cuda.device_count() >= 2
+    dirs = {size: model_dir(size, root) for size in sizes}
     ray.init(address="local", include_dashboard=False, namespace="gpu-bench-sync")
-    figures = {}
+    if __name__ != "__main__":  # imported: Ray workers cannot import benchmarks/
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    results = {}
     try:
-        if "ipc" in sections:
-            figures["ipc"] = ipc(args)
-        if "nccl" in sections:
-            figures["nccl"] = nccl(args)
+        for size in sizes:
+            results[size] = bench_size(ray, size, dirs[size], syncs, two_gpus)
     finally:
         ray.shutdown()
-    print("\n== weight sync: the whole model, bf16, second of two syncs, verify on ==")
-    print(
-        f"{'':22}{'bytes':>14}{'transfer s':>12}{'GB/s':>8}{'total s':>10}"
-        f"{'raw s':>10}{'raw GB/s':>10}{'transfer/raw':>14}"
-    )
-    for name, fig in figures.items():
-        r = fig["report"]
-        transfer = r["phases"]["transfer"]
-        rate, raw_rate = r["bytes"] / transfer / 1e9, r["bytes"] / fig["raw_seconds"] / 1e9
-        print(
-            f"{name:22}{r['bytes']:>14,}{transfer:>12.4f}{rate:>8.1f}{r['seconds']:>10.3f}"
-            f"{fig['raw_seconds']:>10.5f}{raw_rate:>10.1f}{rate / raw_rate:>14.3f}"
-        )
-        print(f"  phases {r['phases']}; raw = {fig['raw']}; buckets {r['buckets']}")
-    return {"weight_sync": figures}
+    print_table(results)
+    return {"weight_sync": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="0.28b,7b")
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--models", default=tempfile.gettempdir(), help="where models are built")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    figures = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv}
+    figures.update(weight_sync(args.sizes.split(","), args.syncs, Path(args.models)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    main()

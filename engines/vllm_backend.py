@@ -260,7 +260,9 @@ class VLLMEngine(RolloutEngine):
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         tags_set = wake_tags(tags)
-        await self.engine.wake_up(sorted(tags_set))
+        if not tags_set & self._asleep:
+            return  # awake already: no round trip to the engine core
+        await self.engine.wake_up(sorted(tags_set & self._asleep))
         self._asleep -= tags_set
 
     async def pause_generation(self) -> None:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from engines.errors import EngineFailure
 from engines.weight_sync import cuda_ipc
-from engines.weight_sync.buckets import Bucket, BucketPlan
+from engines.weight_sync.buckets import BucketPlan
 from engines.weight_sync.config import ON_FAILURE
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
@@ -59,6 +59,7 @@ class WeightUpdateAPI:
 
     _weight_session: SyncSession | None = None
     _weight_lock: asyncio.Lock | None = None
+    _accepted_manifests: frozenset[tuple[str, bool]] = frozenset()
 
     def _lock(self) -> asyncio.Lock:
         if self._weight_lock is None:
@@ -76,11 +77,17 @@ class WeightUpdateAPI:
     async def check_weight_manifest(self, manifest: dict, allow_partial: bool = False) -> None:
         """Raise ManifestMismatchError, naming the parameter, if the trainer's
         manifest does not fit this engine. Changes nothing."""
-        manifest = Manifest.model_validate(manifest).model_dump(mode="json")
+        checked = Manifest.model_validate(manifest)
+        # A worker's layout never changes, so a manifest it accepted once is
+        # accepted again without asking it (each sync sends one).
+        key = (checked.digest(), bool(allow_partial))
+        if key in self._accepted_manifests:
+            return
         per_worker = await self.collective_rpc(
-            "weight_manifest_problems", args=(manifest, bool(allow_partial))
+            "weight_manifest_problems", args=(checked.model_dump(mode="json"), bool(allow_partial))
         )
         raise_problems(self.config.name, [p for problems in per_worker for p in problems])
+        self._accepted_manifests = self._accepted_manifests | {key}
 
     async def weight_checksums(self, names: list[str]) -> list[dict[str, str | None]]:
         """Per worker: checksums of the named weights (see the worker's doc)."""
@@ -130,6 +137,11 @@ class WeightUpdateAPI:
 
     async def destroy_weight_group(self) -> None:
         await self.collective_rpc("destroy_weight_group")
+
+    async def release_shared_weights(self) -> None:
+        """Drop the colocated trainer's tensors the workers kept between CUDA
+        IPC syncs, so the trainer can free that memory."""
+        await self.collective_rpc("release_shared_weights")
 
     async def has_weight_group(self) -> bool:
         return all(await self.collective_rpc("has_weight_group"))
@@ -204,6 +216,9 @@ class WeightUpdateAPI:
             "engine": self.config.name,
             "version": version,
             "backup_bytes": sum(p["backup_bytes"] for p in prepared),
+            # Per worker: the weight group it is in, so a trainer learns
+            # whether its group is intact without another call.
+            "group_ids": [p["group_id"] for p in prepared],
         }
 
     def _session(self, version: int | None = None) -> SyncSession:
@@ -262,13 +277,15 @@ class WeightUpdateAPI:
         )
         return results[0]
 
-    async def receive_weight_bucket_ipc(
-        self, bucket: dict, ipc_handles: Any, verify: bool = True
-    ) -> dict:
-        """Receive one bucket from a colocated trainer's CUDA IPC buffer."""
-        bucket = _validated(Bucket, bucket, self.config.name)
-        blob = ipc_handles if isinstance(ipc_handles, bytes) else cuda_ipc.dumps(ipc_handles)
-        return (await self._in_session("receive_weight_bucket_ipc", bucket, blob, bool(verify)))[0]
+    async def receive_shared_weights(self, mapping: str, shared: bytes | None, keep: bool) -> dict:
+        """Load the colocated trainer's weights straight from its GPU memory
+        (CUDA IPC). `shared` carries the tensors' handles (`CudaIpcSender`),
+        or is None to reuse the tensors of `mapping` that the workers kept
+        from the last sync (`keep`)."""
+        if shared is not None and not isinstance(shared, bytes):
+            raise WeightSyncError(f"engine {self.config.name}: shared handles must be bytes")
+        results = await self._in_session("receive_shared_weights", str(mapping), shared, bool(keep))
+        return results[0]
 
     async def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
         """Load a safetensors checkpoint directory (HF layout) into the open sync."""
@@ -378,7 +395,7 @@ class WeightUpdateAPI:
     async def _end_after_failure(self, session: SyncSession) -> bool:
         restore = session.touched and session.on_failure == "restore"
         try:
-            results = await self.collective_rpc("end_weight_sync", args=(restore,))
+            results = await self.collective_rpc("end_weight_sync", args=(restore, True))
         except Exception:  # noqa: BLE001 - the engine stays stale; reported in the log
             logger.exception("engine %s: restoring weights failed", self.config.name)
             return False

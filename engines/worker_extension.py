@@ -22,8 +22,8 @@ from typing import Any
 
 from engines.weight_sync import checkpoint, cuda_ipc
 from engines.weight_sync.broadcast import WeightGroup
-from engines.weight_sync.buckets import Bucket, BucketPlan, unpack_bucket
-from engines.weight_sync.checksum import checksum
+from engines.weight_sync.buckets import BucketPlan, unpack_bucket
+from engines.weight_sync.checksum import device_sums, finish_checksums, nbytes_of
 from engines.weight_sync.config import GroupInfo
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import Manifest, ParamSpec, dtype_name, mismatches, torch_dtype
@@ -36,7 +36,11 @@ class WeightSyncWorkerExtension:
     # Worker, whose __init__ we do not control).
     _weight_group: WeightGroup | None = None
     _weight_backup: dict[str, Any] | None = None
-    _wire_checksums: dict[str, str] | None = None
+    # name -> (bytes, checksum sums on the device) of what the last sync received.
+    _wire_sums: dict[str, tuple[int, Any]] | None = None
+    # (mapping id, [(name, tensor)]): a colocated trainer's tensors, kept
+    # mapped between CUDA IPC syncs while the trainer's layout is unchanged.
+    _shared_weights: tuple[str, list[tuple[str, Any]]] | None = None
     _expected: Manifest | None = None
 
     def _model(self):
@@ -115,10 +119,12 @@ class WeightSyncWorkerExtension:
                 params[name].copy_(tensor)
 
     def _record_wire(self, weights: list[tuple[str, Any]]) -> None:
-        if self._wire_checksums is None:
-            self._wire_checksums = {}
+        # Sums stay on the device (no host round trip per tensor); rendered
+        # when the trainer asks for them.
+        if self._wire_sums is None:
+            self._wire_sums = {}
         for name, tensor in weights:
-            self._wire_checksums[name] = checksum(tensor)
+            self._wire_sums[name] = (nbytes_of(tensor), device_sums(tensor))
 
     def _empty_cache(self) -> None:
         import torch
@@ -130,7 +136,7 @@ class WeightSyncWorkerExtension:
     def prepare_weight_sync(self, backup: bool) -> dict:
         """Before the first byte: forget the last sync's checksums and, with
         `backup`, keep a host copy of the weights to restore on failure."""
-        self._wire_checksums = {}
+        self._wire_sums = {}
         self._weight_backup = None
         started = time.monotonic()
         if backup:
@@ -139,11 +145,19 @@ class WeightSyncWorkerExtension:
                 for name, t in self._model().state_dict(keep_vars=True).items()
             }
         nbytes = sum(t.numel() * t.element_size() for t in (self._weight_backup or {}).values())
-        return {"backup_bytes": nbytes, "seconds": time.monotonic() - started}
+        return {
+            "backup_bytes": nbytes,
+            "seconds": time.monotonic() - started,
+            "group_id": self.weight_group_id(),
+        }
 
-    def end_weight_sync(self, restore: bool) -> dict:
+    def end_weight_sync(self, restore: bool, failed: bool = False) -> dict:
         """After the sync: with `restore`, put the backup back (a failed sync);
-        always drop it. Returns whether the old weights were restored."""
+        always drop it. After a failure, shared trainer tensors are dropped
+        too (the trainer shares them afresh). Returns whether the old weights
+        were restored."""
+        if failed:
+            self._shared_weights = None
         restored = False
         if restore and self._weight_backup is not None:
             import torch
@@ -163,14 +177,11 @@ class WeightSyncWorkerExtension:
         otherwise (vLLM fuses and shards, so its live tensors have other
         names and shapes). None for a name neither knows."""
         live = {} if self._is_vllm_model() else dict(self._model().named_parameters())
-        wire = self._wire_checksums or {}
-        result: dict[str, str | None] = {}
-        for name in names:
-            if name in live:
-                result[name] = checksum(live[name])
-            else:
-                result[name] = wire.get(name)
-        return result
+        pending = {n: (nbytes_of(live[n]), device_sums(live[n])) for n in names if n in live}
+        wire = self._wire_sums or {}
+        pending.update({n: wire[n] for n in names if n not in live and n in wire})
+        known = finish_checksums(pending)
+        return {name: known.get(name) for name in names}
 
     def read_weights(self, names: list[str]) -> dict[str, Any]:
         """Copies of live weights by name (HF names on transformers models,
@@ -221,13 +232,6 @@ class WeightSyncWorkerExtension:
             )
         return self._weight_group
 
-    def _receive(self, nbytes: int):
-        import torch
-
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._group().broadcast(flat, src=0)
-        return flat
-
     def update_weight(
         self, name: str, dtype: str, shape: list[int], empty_cache: bool = False
     ) -> dict:
@@ -251,20 +255,44 @@ class WeightSyncWorkerExtension:
 
     def receive_weight_buckets(self, plan: dict, verify: bool = True) -> dict:
         """Our bucketed path: every bucket of the plan arrives as one broadcast
-        of a flat buffer, is unpacked into views and loaded."""
+        of a flat buffer, is unpacked into views and loaded. Two buffers take
+        turns, so bucket k+1 is on the wire while bucket k is loaded."""
+        import torch
+
         plan_ = BucketPlan.model_validate(plan)
-        self._group()  # fail before anything is allocated
+        group = self._group()  # fail before anything is allocated
         started = time.monotonic()
-        for bucket in plan_.buckets:
-            weights = unpack_bucket(bucket, self._receive(bucket.nbytes))
-            if verify:
-                self._record_wire(weights)
-            self._load_weights(weights)
+        size = max(b.nbytes for b in plan_.buckets)
+        buffers = [
+            torch.empty(size, dtype=torch.uint8, device=self.device)
+            for _ in range(min(2, len(plan_.buckets)))
+        ]
+        in_flight = []
+        for index, bucket in enumerate(plan_.buckets):
+            flat = buffers[index % 2][: bucket.nbytes]
+            # Starts after the loads already queued on this stream, so the
+            # buffer's previous bucket is consumed before it is overwritten.
+            in_flight.append((bucket, flat, group.start_broadcast(flat, src=0)))
+            if len(in_flight) == 2:
+                self._load_received(group, *in_flight.pop(0), verify=verify)
+        for received in in_flight:
+            self._load_received(group, *received, verify=verify)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return {
             "bytes": plan_.nbytes,
             "buckets": len(plan_.buckets),
             "seconds": time.monotonic() - started,
         }
+
+    def _load_received(self, group: WeightGroup, bucket, flat, pending, verify: bool) -> None:
+        # Waiting here (with the group's deadline) keeps load_weights from
+        # queueing behind a broadcast that may never finish.
+        group.wait(pending)
+        weights = unpack_bucket(bucket, flat)
+        if verify:
+            self._record_wire(weights)
+        self._load_weights(weights)
 
     # --- CUDA IPC (colocated) -------------------------------------------------------
     def update_weight_cuda_ipc(
@@ -292,23 +320,51 @@ class WeightSyncWorkerExtension:
             self._empty_cache()
         return {"bytes": spec.nbytes, "problems": []}
 
-    def receive_weight_bucket_ipc(self, bucket: dict, ipc_handles: bytes, verify: bool = True):
-        """One bucket from a flat buffer the colocated trainer shares by IPC."""
+    def receive_shared_weights(self, mapping: str, shared: bytes | None, keep: bool) -> dict:
+        """Load a colocated trainer's tensors straight from its memory: one
+        copy, no buffer. `shared`: the pickled `{"params": [[name, dtype,
+        shape], ...], "handles": [per-tensor handles]}` of `CudaIpcSender`, or
+        None to reuse the tensors kept under `mapping` by the last sync."""
         import torch
 
-        bucket_ = Bucket.model_validate(bucket)
-        flat = cuda_ipc.open_shared(cuda_ipc.loads(ipc_handles), self.device.index)
-        if flat.dtype != torch.uint8 or flat.numel() < bucket_.nbytes:
-            raise WeightTransferError(
-                f"the shared buffer is {flat.numel()} {flat.dtype}; the bucket needs "
-                f"{bucket_.nbytes} uint8"
-            )
-        weights = unpack_bucket(bucket_, flat)
-        if verify:
-            self._record_wire(weights)
+        if shared is None:
+            if self._shared_weights is None or self._shared_weights[0] != mapping:
+                raise WeightTransferError(
+                    f"this worker does not hold the shared weights {mapping!r}; the trainer "
+                    "must send their handles again"
+                )
+            weights = self._shared_weights[1]
+        else:
+            self._shared_weights = None  # the trainer may free the old tensors now
+            weights, problems = self._open_shared(cuda_ipc.loads(shared))
+            if problems:
+                return {"bytes": 0, "problems": problems}
         self._load_weights(weights)
+        # The trainer writes these tensors again once we return.
         torch.cuda.synchronize(self.device)
-        return {"bytes": bucket_.nbytes}
+        self._shared_weights = (mapping, weights) if keep else None
+        return {"bytes": sum(nbytes_of(t) for _, t in weights), "problems": []}
+
+    def _open_shared(self, shared: dict) -> tuple[list[tuple[str, Any]], list[str]]:
+        specs = Manifest(
+            params=tuple(ParamSpec(name=n, dtype=d, shape=s) for n, d, s in shared["params"])
+        )
+        problems = self.weight_manifest_problems(specs.model_dump(mode="json"), allow_partial=True)
+        if problems:
+            return [], problems
+        weights = []
+        for spec, handles in zip(specs.params, shared["handles"], strict=True):
+            tensor = cuda_ipc.open_shared(handles, self.device.index)
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != torch_dtype(spec.dtype):
+                raise WeightTransferError(
+                    f"{spec.name!r}: the shared tensor is {tensor.dtype} {list(tensor.shape)}, "
+                    f"announced {spec.dtype} {list(spec.shape)}"
+                )
+            weights.append((spec.name, tensor))
+        return weights, []
+
+    def release_shared_weights(self) -> None:
+        self._shared_weights = None
 
     # --- checkpoint directory ---------------------------------------------------------
     def load_weights_from_path(self, path: str, verify: bool = True) -> dict:

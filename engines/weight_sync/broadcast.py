@@ -48,6 +48,7 @@ class WeightGroup:
         self._store = None
         self._gloo = None
         self._nccl = None
+        self._stream = None
         started = time.monotonic()
         try:
             if info.backend == "gloo":
@@ -123,23 +124,46 @@ class WeightGroup:
         )
         self._nccl = PyNcclCommunicator(self._store, device=self.device)
 
-    def _broadcast_nccl(self, tensor: Any, src: int) -> None:
+    def _start_nccl(self, tensor: Any, src: int) -> Any:
+        """Enqueue the broadcast on the group's own stream, after all work
+        enqueued so far on the current stream (packing or loading of earlier
+        buffers); returns its completion event. A stream of its own lets the
+        current stream pack or load one bucket while the next is on the wire."""
         import torch
 
-        stream = torch.cuda.current_stream(tensor.device)
-        self._nccl.broadcast(tensor, src=src, stream=stream)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(tensor.device)
+        self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        # The tensor was allocated on another stream: keep the allocator from
+        # reusing it before this stream is done with it.
+        tensor.record_stream(self._stream)
+        self._nccl.broadcast(tensor, src=src, stream=self._stream)
         done = torch.cuda.Event()
-        done.record(stream)
+        done.record(self._stream)
+        return done
+
+    def _wait_nccl(self, done: Any) -> None:
+        # NCCL has no deadline of its own: poll, so a dead peer is an error
+        # (and an ncclCommAbort in `destroy`) instead of a hang.
         deadline = time.monotonic() + self.info.timeout_s
         while not done.query():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"NCCL broadcast did not finish in {self.info.timeout_s:g}s")
-            time.sleep(0.001)
+            time.sleep(0.0002)
 
     # --- common -------------------------------------------------------------------
     def broadcast(self, tensor: Any, src: int = 0) -> None:
-        """Broadcast `tensor` in place from `src`; raises WeightTransferError (and
-        tears the group down) if a peer fails or the deadline passes."""
+        """Broadcast `tensor` in place from `src` and wait for it; raises
+        WeightTransferError (and tears the group down) if a peer fails or the
+        deadline passes."""
+        self.wait(self.start_broadcast(tensor, src))
+
+    def start_broadcast(self, tensor: Any, src: int = 0) -> Any:
+        """Begin broadcasting `tensor` from `src`; pass the result to `wait`.
+        NCCL: runs on the group's stream after what the current stream has
+        queued; `tensor` must not be touched until it is waited for (or the
+        current stream waits for the result: `torch.cuda.current_stream().wait_event`).
+        gloo: done on return (None)."""
         if not self.alive:
             raise WeightTransferError(
                 f"weight group {self.info.group_name!r} was torn down; build a new one"
@@ -147,15 +171,26 @@ class WeightGroup:
         try:
             if self._gloo is not None:
                 self._broadcast_gloo(tensor, src)
-            else:
-                self._broadcast_nccl(tensor, src)
+                return None
+            return self._start_nccl(tensor, src)
         except Exception as exc:  # noqa: BLE001 - every failure ends this group
-            self.destroy()
-            raise WeightTransferError(
-                f"broadcast of {tensor.numel() * tensor.element_size()} bytes in weight group "
-                f"{self.info.group_name!r} failed on rank {self.rank} (deadline "
-                f"{self.info.timeout_s:g}s): {exc}"
-            ) from exc
+            raise self._failed(exc) from exc
+
+    def wait(self, pending: Any) -> None:
+        """Wait (within the deadline) for a broadcast `start_broadcast` began."""
+        if pending is None:
+            return
+        try:
+            self._wait_nccl(pending)
+        except Exception as exc:  # noqa: BLE001 - every failure ends this group
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: Exception) -> WeightTransferError:
+        self.destroy()
+        return WeightTransferError(
+            f"broadcast in weight group {self.info.group_name!r} failed on rank {self.rank} "
+            f"(deadline {self.info.timeout_s:g}s): {exc}"
+        )
 
     def destroy(self) -> None:
         """Leave the group. Idempotent; the members must build a new group (on a
@@ -170,4 +205,4 @@ class WeightGroup:
                 self._gloo.shutdown()
             except Exception:  # noqa: BLE001 - already broken
                 logger.debug("gloo shutdown failed", exc_info=True)
-        self._gloo = self._nccl = self._store = None
+        self._gloo = self._nccl = self._store = self._stream = None

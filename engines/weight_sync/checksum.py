@@ -1,53 +1,79 @@
 """Checksums of tensors, equal on CPU and GPU for equal bytes.
 
-The bytes are read as int16 words and summed with exact int64 arithmetic on
-the tensor's own device (no copy to the host): a plain sum, and a sum
-weighted by each word's position in its chunk, chained across chunks (Horner
-step modulo a Mersenne prime). A changed, dropped or moved word changes the
-result. A fingerprint for verifying a transfer, not a cryptographic hash.
+The bytes are read as int32 words and laid out in rows of `_LANES` words; the
+column sums (one read pass, int32 arithmetic that wraps, so the order of
+additions does not matter and CPU and GPU agree) are folded into a plain sum
+and a sum weighted by column. A changed word changes the plain sum; two
+swapped words change the weighted one unless their distance is a multiple of
+`_LANES` (a prime, so rows of a matrix are not). A fingerprint for verifying
+a transfer at memory speed, not a cryptographic hash.
+
+The sums stay on the tensor's device until `checksums` reads all of them in
+one copy: no host round trip per tensor.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Words per chunk: |word| < 2**15 and weights <= 2**22 keep a chunk's weighted
-# sum below 2**59, inside int64.
-_CHUNK = 1 << 22
-_MOD = (1 << 61) - 1
-_MULT = 1_000_003
-_weights: dict[Any, Any] = {}
+_LANES = 61
+_MASK = 0xFFFFFFFF
 
 
-def _position_weights(device: Any):
+def _words(tensor: Any):
     import torch
 
-    weights = _weights.get(device)
-    if weights is None:
-        weights = torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=device)
-        _weights[device] = weights
-    return weights
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    if flat.numel() % 4 or flat.storage_offset() % 4:
+        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 4)])
+    return flat.view(torch.int32)
+
+
+def device_sums(tensor: Any):
+    """The two sums of `tensor`'s bytes, as an int32 tensor of 2 on its device."""
+    import torch
+
+    words = _words(tensor)
+    body = words.numel() - words.numel() % _LANES
+    if body:
+        columns = words[:body].view(-1, _LANES).sum(0, dtype=torch.int32)
+    else:
+        columns = words.new_zeros(_LANES)
+    tail = words[body:]
+    columns[: tail.numel()] += tail
+    weights = torch.arange(1, _LANES + 1, dtype=torch.int32, device=words.device)
+    return torch.stack([columns.sum(dtype=torch.int32), (columns * weights).sum(dtype=torch.int32)])
+
+
+def render(nbytes: int, sums: list[int]) -> str:
+    return f"{nbytes:x}-{sums[0] & _MASK:08x}-{sums[1] & _MASK:08x}"
+
+
+def nbytes_of(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def checksum(tensor: Any) -> str:
     """Hex fingerprint of the tensor's bytes (dtype and shape not included:
     the manifest checks those)."""
-    import torch
-
-    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    nbytes = flat.numel()
-    if nbytes % 2 or flat.storage_offset() % 2:
-        flat = torch.cat([flat, flat.new_zeros(nbytes % 2)])
-    words = flat.view(torch.int16)
-    weights = _position_weights(words.device)
-    total, chained = 0, 0
-    for start in range(0, words.numel(), _CHUNK):
-        part = words[start : start + _CHUNK].to(torch.int64)
-        total += int(part.sum())
-        weighted = int((part * weights[: part.numel()]).sum())
-        chained = (chained * _MULT + weighted) % _MOD
-    return f"{nbytes:x}-{total % _MOD:x}-{chained:x}"
+    return render(nbytes_of(tensor), device_sums(tensor).tolist())
 
 
 def checksums(named_tensors) -> dict[str, str]:
-    return {name: checksum(t) for name, t in named_tensors}
+    """`{name: checksum}`, reading every sum back in one copy per device."""
+    return finish_checksums({name: (nbytes_of(t), device_sums(t)) for name, t in named_tensors})
+
+
+def finish_checksums(pending: dict[str, tuple[int, Any]]) -> dict[str, str]:
+    """Render `{name: (nbytes, device_sums)}`: one host copy per device."""
+    import torch
+
+    by_device: dict[Any, list[str]] = {}
+    for name, (_, sums) in pending.items():
+        by_device.setdefault(sums.device, []).append(name)
+    result = {}
+    for names in by_device.values():
+        values = torch.stack([pending[n][1] for n in names]).tolist()
+        for name, sums in zip(names, values, strict=True):
+            result[name] = render(pending[name][0], sums)
+    return result

@@ -1,9 +1,11 @@
 """Two-phase sync over a set of engines, shared by every transport.
 
-check (all) -> begin (all: pause) -> transfer (the transport's job) ->
-verify (all) -> finish (all: reset prefix cache, new version, resume).
-If anything fails before finish, every engine that began is aborted
+begin (all: check the manifest, then pause) -> transfer (the transport's
+job) -> verify (all) -> finish (all: reset prefix cache, new version,
+resume). If anything fails before finish, every engine that began is aborted
 (restored or marked stale) so no engine commits a version the others lack.
+One control call per engine per phase: at small models the control calls,
+not the bytes, are most of a sync.
 """
 
 from __future__ import annotations
@@ -112,16 +114,11 @@ class Coordinator:
             result.engine = index
         return results
 
-    def check(self, manifest: Manifest, allow_partial: bool = False) -> None:
-        """Every engine accepts the manifest, or the first refusal is raised;
-        nothing changes either way."""
-        results = self._call(
-            "check_weight_manifest", manifest.model_dump(mode="json"), allow_partial
-        )
-        if not all(r.ok for r in results):
-            raise failure_of(self.engines, results, "manifest check")
-
-    def begin(self, version: int, manifest: Manifest | None, allow_partial: bool = False) -> None:
+    def begin(
+        self, version: int, manifest: Manifest | None, allow_partial: bool = False
+    ) -> list[dict]:
+        """Open the sync on every engine (each checks the manifest before it
+        pauses); returns their answers, or aborts all and raises."""
         payload = manifest.model_dump(mode="json") if manifest is not None else None
         results = self._call(
             "begin_weight_sync",
@@ -136,6 +133,7 @@ class Coordinator:
             error = failure_of(self.engines, results, f"begin sync to version {version}")
             self.abort(f"begin failed: {error}")
             raise error
+        return [r.value for r in results]
 
     def collect(self, refs: list[Any], what: str) -> list[Any]:
         """Wait for one call per engine (already launched) within the deadline;
@@ -170,6 +168,8 @@ class Coordinator:
         return [r.value for r in results]
 
     def verify(self, version: int, checksums: dict[str, str]) -> None:
+        # Its own phase, before any engine commits: one engine's mismatch
+        # aborts all, so the engines never serve different versions.
         results = self._call("verify_weight_sync", version, checksums, only=self._open)
         if not all(r.ok for r in results):
             error = failure_of(self.engines, results, f"verify version {version}")

@@ -10,6 +10,7 @@ the broadcast group is rebuilt on the next sync) or `EngineDeadError`.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from engines.weight_sync.checksum import checksum, checksums
 from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport, as_engine_list
 from engines.weight_sync.errors import WeightSyncError
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.manifest import Manifest, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -128,16 +129,14 @@ class BroadcastSender:
                         result.error,
                     )
 
-    def _group_intact(self) -> bool:
+    def _group_intact(self, begun: list[dict]) -> bool:
         """Our group is up, and every engine worker is still in it (a failed
-        sync tears groups down; another trainer may have taken the engines)."""
+        sync tears groups down; another trainer may have taken the engines):
+        from the engines' answers to begin."""
         if self.group is None or not self.group.alive:
             logger.info("weight group is down: rebuilding it")
             return False
-        ids = raise_first_error(
-            call_engines(self.engines, "weight_group_ids", timeout_s=self.config.timeout_s)
-        )
-        if any(i != self.group.group_id for per_engine in ids for i in per_engine):
+        if any(i != self.group.group_id for answer in begun for i in answer["group_ids"]):
             logger.warning("engines left weight group %s: rebuilding it", self.group.group_id)
             return False
         return True
@@ -160,11 +159,13 @@ class BroadcastSender:
         manifest = Manifest.of(weights)
         coordinator = Coordinator(self.engines, self.config)
         phases = Phases()
-        coordinator.check(manifest)
-        if not self._group_intact():
+        begun = coordinator.begin(version, manifest)
+        if not self._group_intact(begun):
+            # Rare (after a failure): leave the engines as they were, rebuild,
+            # and open the sync again.
+            coordinator.abort("rebuilding the weight group")
             self.init(self.engines)
-        phases.done("check")
-        coordinator.begin(version, manifest)
+            coordinator.begin(version, manifest)
         phases.done("begin")
         return BroadcastTransfer(self, coordinator, weights, manifest, version, phases)
 
@@ -194,9 +195,14 @@ class BroadcastTransfer:
         self.plan = plan_buckets(manifest, sender.config.bucket_bytes)
         self.sent = 0
         self._buckets = iter_buckets(self.plan, weights)
-        self._buffer = torch.empty(
-            max(b.nbytes for b in self.plan.buckets), dtype=torch.uint8, device=sender.device
-        )
+        # Two buffers take turns: bucket k+1 is packed while bucket k is on
+        # the wire (the engines load one while receiving the next the same way).
+        size = max(b.nbytes for b in self.plan.buckets)
+        self._buffers = [
+            torch.empty(size, dtype=torch.uint8, device=sender.device)
+            for _ in range(min(2, len(self.plan.buckets)))
+        ]
+        self._in_flight = None
         plan = self.plan.model_dump(mode="json")
         self._refs = [
             e.receive_weight_buckets.remote(plan, sender.config.verify) for e in sender.engines
@@ -211,11 +217,20 @@ class BroadcastTransfer:
         how many were sent."""
         count = self.remaining if buckets is None else min(buckets, self.remaining)
         try:
+            group = self.sender.group
             for _ in range(count):
                 bucket, tensors = next(self._buckets)
-                flat = pack_bucket(bucket, tensors, out=self._buffer[: bucket.nbytes])
-                self.sender.group.broadcast(flat, src=0)
+                buffer = self._buffers[self.sent % len(self._buffers)]
+                # This buffer's last broadcast was waited for below, one
+                # bucket ago: packing may overwrite it.
+                flat = pack_bucket(bucket, tensors, out=buffer[: bucket.nbytes])
+                started = group.start_broadcast(flat, src=0)
+                group.wait(self._in_flight)
+                self._in_flight = started
                 self.sent += 1
+            if not self.remaining:
+                group.wait(self._in_flight)
+                self._in_flight = None
         except Exception as exc:
             # Tear the group down (a failed broadcast already did), so the
             # engines' receives fail now instead of at their deadline; learn
@@ -236,10 +251,12 @@ class BroadcastTransfer:
             self.coordinator.abort(f"finish called with {self.remaining} buckets unsent")
             raise WeightSyncError(f"{self.remaining} buckets were not sent; the sync was aborted")
         config = self.sender.config
+        # The trainer's checksums are computed while the engines still load.
+        expected = checksums(self.weights) if config.verify else None
         self.coordinator.collect(self._refs, f"receive version {self.version}")
         self.phases.done("transfer")
-        if config.verify:
-            self.coordinator.verify(self.version, checksums(self.weights))
+        if expected is not None:
+            self.coordinator.verify(self.version, expected)
             self.phases.done("verify")
         self.coordinator.finish(self.version)
         self.phases.done("finish")
@@ -256,10 +273,16 @@ class BroadcastTransfer:
 
 
 class CudaIpcSender:
-    """For engines on the trainer's own GPU(s): each bucket is packed into a
-    GPU buffer whose CUDA IPC handle the engines open and copy from (no NCCL:
-    one GPU cannot hold two NCCL ranks). With `wake_up`, engines put to sleep
-    during training get their weights back first and their KV cache after."""
+    """For engines on the trainer's own GPU(s): the engines copy the weights
+    straight out of the trainer's tensors, opened by CUDA IPC handle (no NCCL:
+    one GPU cannot hold two NCCL ranks). One copy per byte, no buffer, one
+    control call per engine. While the trainer's tensors stay where they are
+    (parameters updated in place), the engines keep them mapped and later
+    syncs send no handles at all. With `wake_up`, engines put to sleep during
+    training get their weights back first and their KV cache after.
+
+    There is no copy in transit to verify (the engines read the trainer's own
+    memory), so `SyncConfig.verify` does not apply; the report says so."""
 
     transport = "cuda_ipc"
 
@@ -268,17 +291,28 @@ class CudaIpcSender:
     ):
         self.config = config or SyncConfig()
         self.wake_up = wake_up
-        # Multi-rank trainers: a function from this rank's handles to all
-        # ranks' (e.g. all_gather_object then cuda_ipc.merge_handles).
+        # Multi-rank trainers: a function from this rank's per-tensor handles
+        # to all ranks' (e.g. all_gather_object, then cuda_ipc.merge_handles
+        # per tensor).
         self.gather_handles = gather_handles
         self.engines: list[Any] = []
+        self._last_layout: tuple | None = None  # the layout of the last sync
+        self._held: tuple[tuple, str] | None = None  # (layout, mapping) the engines keep
 
     def init(self, engines: list[Any]) -> None:
         if not engines:
             raise ValueError("no engines to sync")
+        self.close()
         self.engines = as_engine_list(engines)
 
     def close(self) -> None:
+        if self.engines and self._held is not None:
+            for result in call_engines(
+                self.engines, "release_shared_weights", timeout_s=self.config.timeout_s
+            ):
+                if not result.ok:
+                    logger.warning("engine %d: release failed: %s", result.engine, result.error)
+        self._held = self._last_layout = None
         self.engines = []
 
     def _wake(self, tags: list[str]) -> None:
@@ -286,6 +320,13 @@ class CudaIpcSender:
             raise_first_error(
                 call_engines(self.engines, "wake_up", tags, timeout_s=self.config.timeout_s)
             )
+
+    def _share(self, weights: list[tuple[str, Any]]) -> bytes:
+        handles = [cuda_ipc.share(t) for _, t in weights]
+        if self.gather_handles is not None:
+            handles = self.gather_handles(handles)
+        params = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in weights]
+        return cuda_ipc.dumps({"params": params, "handles": handles})
 
     def sync(self, weights: Weights, version: int) -> SyncReport:
         import torch
@@ -296,41 +337,37 @@ class CudaIpcSender:
         if not all(t.is_cuda for _, t in weights):
             raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
         manifest = Manifest.of(weights)
-        plan = plan_buckets(manifest, self.config.bucket_bytes)
+        layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
         coordinator = Coordinator(self.engines, self.config)
         phases = Phases()
-        coordinator.check(manifest)
         self._wake(["weights"])
-        phases.done("check")
         coordinator.begin(version, manifest)
         phases.done("begin")
-        device = weights[0][1].device
-        buffer = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8, device=device)
+        held, self._held = self._held, None
         try:
-            for bucket, tensors in iter_buckets(plan, weights):
-                pack_bucket(bucket, tensors, out=buffer[: bucket.nbytes])
-                torch.cuda.synchronize(device)
-                handles = cuda_ipc.share(buffer)
-                if self.gather_handles is not None:
-                    handles = self.gather_handles(handles)
-                blob = cuda_ipc.dumps(handles)
-                refs = [
-                    e.receive_weight_bucket_ipc.remote(
-                        bucket.model_dump(mode="json"), blob, self.config.verify
-                    )
-                    for e in self.engines
-                ]
-                # The engines copy out of `buffer` before answering: only then
-                # may the next bucket overwrite it.
-                coordinator.collect(refs, f"receive version {version} (CUDA IPC)")
+            # The engines read the tensors themselves: the trainer's last
+            # writes must have landed.
+            torch.cuda.synchronize(weights[0][1].device)
+            if held is not None and held[0] == layout:
+                mapping, shared, keep = held[1], None, True
+            else:
+                # Tensors seen at the same places twice in a row are the
+                # trainer's own (not temporaries): the engines keep those
+                # mapped. Keeping temporaries would pin a copy of the model in
+                # the trainer's memory.
+                mapping, shared = uuid.uuid4().hex, self._share(weights)
+                keep = layout == self._last_layout
+            self._last_layout = layout
+            refs = [e.receive_shared_weights.remote(mapping, shared, keep) for e in self.engines]
+            coordinator.collect(refs, f"receive version {version} (CUDA IPC)")
         except Exception as exc:
             coordinator.abort(f"CUDA IPC transfer failed: {exc}")  # no-op if collect did
             raise
-        torch.cuda.ipc_collect()
+        if keep:
+            self._held = (layout, mapping)
+        else:
+            torch.cuda.ipc_collect()  # free what the engines have let go
         phases.done("transfer")
-        if self.config.verify:
-            coordinator.verify(version, checksums(weights))
-            phases.done("verify")
         # Wake the KV cache before `finish` resumes generation: a request let
         # in between would meet a sleeping engine.
         self._wake(["kv_cache"])
@@ -341,9 +378,9 @@ class CudaIpcSender:
             self.transport,
             len(self.engines),
             bytes=manifest.nbytes,
-            buckets=len(plan.buckets),
+            buckets=0,
             seconds=phases.total,
-            verified=self.config.verify,
+            verified=False,
             phases=phases.times,
         )
 
@@ -363,8 +400,6 @@ def sync_from_checkpoint(
             raise WeightSyncError(f"{path} stores no weight version; pass version=")
     coordinator = Coordinator(engines, config)
     phases = Phases()
-    coordinator.check(manifest)
-    phases.done("check")
     coordinator.begin(version, manifest)
     phases.done("begin")
     refs = [e.load_weights_from_path.remote(str(path), config.verify) for e in engines]

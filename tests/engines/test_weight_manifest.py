@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engines.weight_sync.checksum import checksum
+from engines.weight_sync.checksum import checksum, checksums
 from engines.weight_sync.errors import ManifestMismatchError
 from engines.weight_sync.manifest import Manifest, check_manifest, dtype_name, mismatches
 
@@ -74,15 +74,14 @@ def test_checksum_sees_any_changed_or_moved_byte():
     assert checksum(t.to(torch.bfloat16)) != checksum(t)
 
 
-def test_checksum_across_chunks_and_odd_byte_layouts():
-    from engines.weight_sync import checksum as module
-
-    words = module._CHUNK  # int16 words per chunk
-    a = torch.arange(words, dtype=torch.int16)
-    two_chunks = torch.cat([a, a.flip(0)])
-    swapped = torch.cat([a.flip(0), a])
-    assert checksum(two_chunks) != checksum(swapped)
+def test_checksum_sees_swapped_rows_and_odd_byte_layouts():
+    rows = torch.randn(64, 448, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    swapped = rows.clone()
+    swapped[[0, 63]] = swapped[[63, 0]]  # rows of 224 int32 words, far apart
+    assert checksum(swapped) != checksum(rows)
     odd = torch.tensor([1, 2, 3], dtype=torch.uint8)
     assert checksum(odd) != checksum(torch.tensor([1, 2, 3, 0], dtype=torch.uint8))
     base = torch.arange(10, dtype=torch.uint8)
     assert checksum(base[1:5]) == checksum(base[1:5].clone())  # odd storage offset
+    tensors = [("a", rows), ("b", odd), ("c", base[1:5])]
+    assert checksums(tensors) == {name: checksum(t) for name, t in tensors}

@@ -4,7 +4,6 @@ policy (training/policy.py) on a GPU, in the engines' serving dtype."""
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 from engines.weight_sync import cuda_ipc
@@ -25,22 +24,6 @@ class BF16Policy(ReferencePolicy):
         import torch
 
         return cuda_ipc.gpu_uuid(torch.cuda.current_device())
-
-    def time_device_copy(self, nbytes: int, repeats: int = 5) -> float:
-        """Seconds of one on-device copy of `nbytes` (best of `repeats`): the
-        floor for a CUDA IPC sync of as many bytes on this GPU."""
-        import torch
-
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        best = float("inf")
-        for _ in range(repeats + 1):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dst.copy_(src)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
 
 
 def start_bf16_policy(pretrain: str, **options: Any):

@@ -18,31 +18,44 @@ ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 2
 
 
+def run_flow_cli(ray, model: str, tmp_path, *args: str, timeout_s: float) -> str:
+    """`python -m flows.cli` with the vLLM backend on the test's Ray cluster
+    and its own Prefect home; returns stdout (asserts a clean exit)."""
+    cmd = [
+        sys.executable, "-m", "flows.cli",
+        "--backend", "vllm",
+        "--model", model,
+        "--max-len", "2048",
+        "--gpu-memory-utilization", "0.3",
+        "--output-dir", str(tmp_path / "out"),
+        "--address", ray.get_runtime_context().gcs_address,
+        "--ready-timeout-s", "300",
+        *args,
+    ]  # fmt: skip
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_flow_cli_with_the_vllm_backend(ray_gpu, gpu_model, gpu_count, gpu_baseline, tmp_path):
     ray = ray_gpu
     prompts = (ROOT / "data" / "prompts.jsonl").read_text().splitlines()
     num_engines = min(2, gpu_count)
-    cmd = [
-        sys.executable, "-m", "flows.cli",
-        "--backend", "vllm",
-        "--model", gpu_model,
+    stdout = run_flow_cli(
+        ray,
+        gpu_model,
+        tmp_path,
         "--num-engines", str(num_engines),
-        "--max-len", "2048",
-        "--gpu-memory-utilization", "0.3",
         "--max-tokens", "48",
         "--logprobs", "0",
         "--iterations", str(ITERATIONS),
         "--shard-size", "4",  # 8 shards an iteration: every engine gets some
-        "--output-dir", str(tmp_path / "out"),
-        "--address", ray.get_runtime_context().gcs_address,
-        "--ready-timeout-s", "300",
-    ]  # fmt: skip
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
-    print(proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        timeout_s=480,
+    )  # fmt: skip
     expected = len(prompts) * ITERATIONS
-    assert f"{expected} rollouts written to" in proc.stdout
+    assert f"{expected} rollouts written to" in stdout
 
     (run_dir,) = (tmp_path / "out").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -59,4 +72,39 @@ def test_flow_cli_with_the_vllm_backend(ray_gpu, gpu_model, gpu_count, gpu_basel
         assert row["response_token_ids"] and len(row["logprobs"]) == len(row["response_token_ids"])
         assert row["weight_version"] == 0 and row["finish_reason"] in ("stop", "length")
     print(f"flow: {expected} rows from engines {sorted(engines)} in {summary['seconds']}s")
+    wait_gpus_released(gpu_baseline)
+
+
+def test_on_policy_flow_syncs_over_nccl(ray_gpu, gpu_model, gpu_count, gpu_baseline, tmp_path):
+    """The on-policy loop on GPUs: one vLLM engine, the policy on the other GPU
+    (NCCL broadcast after every GRPO step); iteration i samples version i."""
+    if gpu_count < 2:
+        pytest.skip("the policy takes a GPU of its own: needs two GPUs")
+    ray = ray_gpu
+    iterations = 3
+    run_flow_cli(
+        ray,
+        gpu_model,
+        tmp_path,
+        "--num-engines", "1",
+        "--reward", "training.rewards:target_chars_fraction",
+        "--learning-rate", "0.001",
+        "--n", "8",
+        "--max-tokens", "16",
+        "--iterations", str(iterations),
+        timeout_s=540,
+    )  # fmt: skip
+
+    (run_dir,) = (tmp_path / "out").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    training = summary["training"]
+    print(f"on-policy flow: training table {training}; {summary['seconds']}s")
+    assert [step["weight_version"] for step in training] == list(range(1, iterations + 1))
+    for i in range(iterations):
+        rows = [
+            json.loads(line)
+            for path in sorted((run_dir / f"iter-{i:03d}").glob("shard-*.jsonl"))
+            for line in path.read_text().splitlines()
+        ]
+        assert rows and {row["weight_version"] for row in rows} == {i}
     wait_gpus_released(gpu_baseline)
