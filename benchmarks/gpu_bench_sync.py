@@ -260,6 +260,7 @@ def print_table(results: dict) -> None:
             )
             totals = ", ".join(f"{r['seconds']:.4f}" for r in fig["reports"])
             print(f"  every sync's total s: {totals}; last phases {last['phases']}")
+            print(f"  inside the engine (last sync): {last.get('engine_times', {})}")
         print(f"  {size}: engine ready in {figures['engine_ready_s']:.1f}s")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -202,7 +203,9 @@ class WeightUpdateAPI:
         self._weight_session = session
         try:
             async with session.call():
+                started = time.monotonic()
                 await self.pause_generation()
+                paused = time.monotonic()
                 prepared = await self.collective_rpc(
                     "prepare_weight_sync", args=(on_failure == "restore",)
                 )
@@ -219,6 +222,8 @@ class WeightUpdateAPI:
             # Per worker: the weight group it is in, so a trainer learns
             # whether its group is intact without another call.
             "group_ids": [p["group_id"] for p in prepared],
+            "pause_s": paused - started,
+            "prepare_s": time.monotonic() - paused,
         }
 
     def _session(self, version: int | None = None) -> SyncSession:

@@ -268,31 +268,42 @@ class WeightSyncWorkerExtension:
             for _ in range(min(2, len(plan_.buckets)))
         ]
         in_flight = []
+        times = {"wait_s": 0.0, "load_s": 0.0}
         for index, bucket in enumerate(plan_.buckets):
             flat = buffers[index % 2][: bucket.nbytes]
             # Starts after the loads already queued on this stream, so the
             # buffer's previous bucket is consumed before it is overwritten.
             in_flight.append((bucket, flat, group.start_broadcast(flat, src=0)))
             if len(in_flight) == 2:
-                self._load_received(group, *in_flight.pop(0), verify=verify)
+                self._load_received(group, *in_flight.pop(0), verify=verify, times=times)
         for received in in_flight:
-            self._load_received(group, *received, verify=verify)
+            self._load_received(group, *received, verify=verify, times=times)
+        mark = time.monotonic()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        times["load_s"] += time.monotonic() - mark
         return {
             "bytes": plan_.nbytes,
             "buckets": len(plan_.buckets),
             "seconds": time.monotonic() - started,
+            **times,
         }
 
-    def _load_received(self, group: WeightGroup, bucket, flat, pending, verify: bool) -> None:
+    def _load_received(
+        self, group: WeightGroup, bucket, flat, pending, verify: bool, times: dict
+    ) -> None:
         # Waiting here (with the group's deadline) keeps load_weights from
         # queueing behind a broadcast that may never finish.
+        mark = time.monotonic()
         group.wait(pending)
+        waited = time.monotonic()
         weights = unpack_bucket(bucket, flat)
         if verify:
             self._record_wire(weights)
         self._load_weights(weights)
+        # Host time: what the wire waits for while this worker queues work.
+        times["wait_s"] += waited - mark
+        times["load_s"] += time.monotonic() - waited
 
     # --- CUDA IPC (colocated) -------------------------------------------------------
     def update_weight_cuda_ipc(
@@ -327,6 +338,7 @@ class WeightSyncWorkerExtension:
         None to reuse the tensors kept under `mapping` by the last sync."""
         import torch
 
+        started = time.monotonic()
         if shared is None:
             if self._shared_weights is None or self._shared_weights[0] != mapping:
                 raise WeightTransferError(
@@ -339,11 +351,17 @@ class WeightSyncWorkerExtension:
             weights, problems = self._open_shared(cuda_ipc.loads(shared))
             if problems:
                 return {"bytes": 0, "problems": problems}
+        opened = time.monotonic()
         self._load_weights(weights)
         # The trainer writes these tensors again once we return.
         torch.cuda.synchronize(self.device)
         self._shared_weights = (mapping, weights) if keep else None
-        return {"bytes": sum(nbytes_of(t) for _, t in weights), "problems": []}
+        return {
+            "bytes": sum(nbytes_of(t) for _, t in weights),
+            "problems": [],
+            "open_s": opened - started,
+            "load_s": time.monotonic() - opened,
+        }
 
     def _open_shared(self, shared: dict) -> tuple[list[tuple[str, Any]], list[str]]:
         specs = Manifest(

@@ -36,6 +36,10 @@ class SyncReport:
     seconds: float = 0.0
     verified: bool = False
     phases: dict[str, float] = field(default_factory=dict)
+    #: Inside the engines, the slowest engine's seconds per step (pause_s,
+    #: prepare_s of begin; wait_s, load_s or open_s, load_s of the transfer):
+    #: where a phase's time went.
+    engine_times: dict[str, float] = field(default_factory=dict)
 
     @property
     def gb_per_s(self) -> float:
@@ -52,6 +56,7 @@ class SyncReport:
             "gb_per_s": round(self.gb_per_s, 6),
             "verified": self.verified,
             "phases": {k: round(v, 6) for k, v in self.phases.items()},
+            "engine_times": {k: round(v, 6) for k, v in self.engine_times.items()},
         }
 
 
@@ -61,7 +66,12 @@ class Phases:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.times: dict[str, float] = {}
+        self.engine_times: dict[str, float] = {}
         self._mark = self.started
+
+    def engines_reported(self, answers: list[Any], *keys: str) -> None:
+        """Keep the slowest engine's seconds for each of `keys` in `answers`."""
+        self.engine_times.update(slowest(answers, keys))
 
     def done(self, phase: str) -> None:
         now = time.monotonic()
@@ -71,6 +81,16 @@ class Phases:
     @property
     def total(self) -> float:
         return time.monotonic() - self.started
+
+
+def slowest(answers: list[Any], keys: tuple[str, ...]) -> dict[str, float]:
+    """Per key, the largest value among the engines' answers that have it."""
+    times = {}
+    for key in keys:
+        values = [a[key] for a in answers if isinstance(a, dict) and key in a]
+        if values:
+            times[key] = max(values)
+    return times
 
 
 def as_engine_list(engines: Any) -> list[Any]:

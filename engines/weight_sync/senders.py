@@ -18,7 +18,7 @@ from engines.client import call_engines, raise_first_error
 from engines.weight_sync import checkpoint, cuda_ipc
 from engines.weight_sync.broadcast import WeightGroup, free_port
 from engines.weight_sync.buckets import iter_buckets, pack_bucket, plan_buckets
-from engines.weight_sync.checksum import checksum, checksums
+from engines.weight_sync.checksum import checksums
 from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport, as_engine_list
 from engines.weight_sync.errors import WeightSyncError
@@ -165,7 +165,8 @@ class BroadcastSender:
             # and open the sync again.
             coordinator.abort("rebuilding the weight group")
             self.init(self.engines)
-            coordinator.begin(version, manifest)
+            begun = coordinator.begin(version, manifest)
+        phases.engines_reported(begun, "pause_s", "prepare_s")
         phases.done("begin")
         return BroadcastTransfer(self, coordinator, weights, manifest, version, phases)
 
@@ -253,7 +254,8 @@ class BroadcastTransfer:
         config = self.sender.config
         # The trainer's checksums are computed while the engines still load.
         expected = checksums(self.weights) if config.verify else None
-        self.coordinator.collect(self._refs, f"receive version {self.version}")
+        received = self.coordinator.collect(self._refs, f"receive version {self.version}")
+        self.phases.engines_reported(received, "wait_s", "load_s")
         self.phases.done("transfer")
         if expected is not None:
             self.coordinator.verify(self.version, expected)
@@ -269,6 +271,7 @@ class BroadcastTransfer:
             seconds=self.phases.total,
             verified=config.verify,
             phases=self.phases.times,
+            engine_times=self.phases.engine_times,
         )
 
 
@@ -341,7 +344,7 @@ class CudaIpcSender:
         coordinator = Coordinator(self.engines, self.config)
         phases = Phases()
         self._wake(["weights"])
-        coordinator.begin(version, manifest)
+        phases.engines_reported(coordinator.begin(version, manifest), "pause_s", "prepare_s")
         phases.done("begin")
         held, self._held = self._held, None
         try:
@@ -359,7 +362,8 @@ class CudaIpcSender:
                 keep = layout == self._last_layout
             self._last_layout = layout
             refs = [e.receive_shared_weights.remote(mapping, shared, keep) for e in self.engines]
-            coordinator.collect(refs, f"receive version {version} (CUDA IPC)")
+            received = coordinator.collect(refs, f"receive version {version} (CUDA IPC)")
+            phases.engines_reported(received, "open_s", "load_s")
         except Exception as exc:
             coordinator.abort(f"CUDA IPC transfer failed: {exc}")  # no-op if collect did
             raise
@@ -382,6 +386,7 @@ class CudaIpcSender:
             seconds=phases.total,
             verified=False,
             phases=phases.times,
+            engine_times=phases.engine_times,
         )
 
 
@@ -400,13 +405,13 @@ def sync_from_checkpoint(
             raise WeightSyncError(f"{path} stores no weight version; pass version=")
     coordinator = Coordinator(engines, config)
     phases = Phases()
-    coordinator.begin(version, manifest)
+    phases.engines_reported(coordinator.begin(version, manifest), "pause_s", "prepare_s")
     phases.done("begin")
     refs = [e.load_weights_from_path.remote(str(path), config.verify) for e in engines]
     coordinator.collect(refs, f"load {path}")
     phases.done("transfer")
     if config.verify:
-        coordinator.verify(version, {n: checksum(t) for n, t in checkpoint.iter_tensors(path)})
+        coordinator.verify(version, checksums(checkpoint.iter_tensors(path)))
         phases.done("verify")
     coordinator.finish(version)
     phases.done("finish")
@@ -419,4 +424,5 @@ def sync_from_checkpoint(
         seconds=phases.total,
         verified=config.verify,
         phases=phases.times,
+        engine_times=phases.engine_times,
     )

@@ -137,6 +137,11 @@ def test_sync_makes_engines_match_the_trainer(setup):
     assert report["version"] == version and report["verified"] and not report["skipped"]
     assert report["bytes"] == sum(t.numel() * 4 for t in policy_weights(policy).values())
     assert report["buckets"] > 1 and report["gb_per_s"] > 0
+    # Where the time went inside the engines, within the phases that hold it.
+    inside = report["engine_times"]
+    assert set(inside) == {"pause_s", "prepare_s", "wait_s", "load_s"}
+    assert inside["pause_s"] + inside["prepare_s"] <= report["phases"]["begin"]
+    assert 0 < inside["wait_s"] + inside["load_s"] <= report["phases"]["transfer"]
     for engine in engines:
         assert max_diff(engine_logprobs(engine), trainer) < LOGPROB_ATOL
     assert_weights(engines, policy_weights(policy))
