@@ -336,8 +336,8 @@ class WeightUpdateAPI:
             bad = [name for name, value in expected.items() if got.get(name) != value]
             if bad:
                 raise ChecksumMismatchError(
-                    f"engine {self.config.name} worker {rank}: {len(bad)} weights differ from "
-                    f"the trainer's after the transfer, e.g. {bad[:3]}"
+                    f"engine {self.config.name} worker {rank}: {len(bad)} of {len(expected)} "
+                    f"checksums differ from the trainer's after the transfer, e.g. {bad[:3]}"
                 )
 
     async def abort_weight_sync(self, reason: str = "aborted by the caller") -> dict:

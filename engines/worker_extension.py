@@ -22,7 +22,7 @@ from typing import Any
 
 from engines.weight_sync import checkpoint, cuda_ipc
 from engines.weight_sync.broadcast import WeightGroup
-from engines.weight_sync.buckets import BucketPlan, unpack_bucket
+from engines.weight_sync.buckets import BucketPlan, bucket_key, unpack_bucket
 from engines.weight_sync.checksum import device_sums, finish_checksums, nbytes_of
 from engines.weight_sync.config import GroupInfo
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
@@ -174,7 +174,8 @@ class WeightSyncWorkerExtension:
     def weight_checksums(self, names: list[str]) -> dict[str, str | None]:
         """Checksums of the live weights by HF name where the model keeps that
         name (transformers models); of the bytes received in the last sync
-        otherwise (vLLM fuses and shards, so its live tensors have other
+        otherwise: per tensor, or per bucket (`bucket-<i>`) for a bucketed
+        broadcast (vLLM fuses and shards, so its live tensors have other
         names and shapes). None for a name neither knows."""
         live = {} if self._is_vllm_model() else dict(self._model().named_parameters())
         pending = {n: (nbytes_of(live[n]), device_sums(live[n])) for n in names if n in live}
@@ -273,7 +274,7 @@ class WeightSyncWorkerExtension:
             flat = buffers[index % 2][: bucket.nbytes]
             # Starts after the loads already queued on this stream, so the
             # buffer's previous bucket is consumed before it is overwritten.
-            in_flight.append((bucket, flat, group.start_broadcast(flat, src=0)))
+            in_flight.append((index, bucket, flat, group.start_broadcast(flat, src=0)))
             if len(in_flight) == 2:
                 self._load_received(group, *in_flight.pop(0), verify=verify, times=times)
         for received in in_flight:
@@ -290,17 +291,18 @@ class WeightSyncWorkerExtension:
         }
 
     def _load_received(
-        self, group: WeightGroup, bucket, flat, pending, verify: bool, times: dict
+        self, group: WeightGroup, index: int, bucket, flat, pending, verify: bool, times: dict
     ) -> None:
         # Waiting here (with the group's deadline) keeps load_weights from
         # queueing behind a broadcast that may never finish.
         mark = time.monotonic()
         group.wait(pending)
         waited = time.monotonic()
-        weights = unpack_bucket(bucket, flat)
         if verify:
-            self._record_wire(weights)
-        self._load_weights(weights)
+            # One checksum per bucket, as the trainer packed it: a few calls
+            # per sync instead of several per tensor on this critical path.
+            self._record_wire([(bucket_key(index), flat)])
+        self._load_weights(unpack_bucket(bucket, flat))
         # Host time: what the wire waits for while this worker queues work.
         times["wait_s"] += waited - mark
         times["load_s"] += time.monotonic() - waited

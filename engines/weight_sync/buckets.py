@@ -112,6 +112,11 @@ def pack_bucket(bucket: Bucket, tensors: dict[str, Any], out: Any = None, device
     return out
 
 
+def bucket_key(index: int) -> str:
+    """The name a bucket's checksum goes by (trainer and engines alike)."""
+    return f"bucket-{index}"
+
+
 def unpack_bucket(bucket: Bucket, flat: Any) -> list[tuple[str, Any]]:
     """(name, tensor) views into `flat`, in bucket order. They share `flat`'s
     memory: consume (copy) them before the buffer is reused."""

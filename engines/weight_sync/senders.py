@@ -17,8 +17,8 @@ from typing import Any
 from engines.client import call_engines, raise_first_error
 from engines.weight_sync import checkpoint, cuda_ipc
 from engines.weight_sync.broadcast import WeightGroup, free_port
-from engines.weight_sync.buckets import iter_buckets, pack_bucket, plan_buckets
-from engines.weight_sync.checksum import checksums
+from engines.weight_sync.buckets import bucket_key, iter_buckets, pack_bucket, plan_buckets
+from engines.weight_sync.checksum import checksums, device_sums, finish_checksums
 from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport, as_engine_list
 from engines.weight_sync.errors import WeightSyncError
@@ -204,6 +204,8 @@ class BroadcastTransfer:
             for _ in range(min(2, len(self.plan.buckets)))
         ]
         self._in_flight = None
+        # Per bucket: (bytes, checksum sums on the device) of what was packed.
+        self._sums: dict[str, tuple[int, Any]] = {}
         plan = self.plan.model_dump(mode="json")
         self._refs = [
             e.receive_weight_buckets.remote(plan, sender.config.verify) for e in sender.engines
@@ -225,6 +227,9 @@ class BroadcastTransfer:
                 # This buffer's last broadcast was waited for below, one
                 # bucket ago: packing may overwrite it.
                 flat = pack_bucket(bucket, tensors, out=buffer[: bucket.nbytes])
+                if self.sender.config.verify:
+                    # Queued before the broadcast and before the buffer's reuse.
+                    self._sums[bucket_key(self.sent)] = (bucket.nbytes, device_sums(flat))
                 started = group.start_broadcast(flat, src=0)
                 group.wait(self._in_flight)
                 self._in_flight = started
@@ -252,8 +257,7 @@ class BroadcastTransfer:
             self.coordinator.abort(f"finish called with {self.remaining} buckets unsent")
             raise WeightSyncError(f"{self.remaining} buckets were not sent; the sync was aborted")
         config = self.sender.config
-        # The trainer's checksums are computed while the engines still load.
-        expected = checksums(self.weights) if config.verify else None
+        expected = finish_checksums(self._sums) if config.verify else None
         received = self.coordinator.collect(self._refs, f"receive version {self.version}")
         self.phases.engines_reported(received, "wait_s", "load_s")
         self.phases.done("transfer")

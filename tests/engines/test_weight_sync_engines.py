@@ -23,6 +23,7 @@ from engines.errors import EngineDeadError
 from engines.vllm_engine import replace_engine
 from engines.weight_sync import (
     BroadcastSender,
+    ChecksumMismatchError,
     ManifestMismatchError,
     SyncConfig,
     sync_from_checkpoint,
@@ -264,6 +265,45 @@ def test_checkpoint_transport(setup, tmp_path):
     assert report.version == version and report.verified
     assert_weights(engines, policy_weights(policy))
     assert [h["weight_version"] for h in health(engines)] == [version] * 2
+
+
+class FlipsAByte:
+    """The trainer's weight group, flipping one byte of the second bucket on
+    its way out: a transfer that arrives corrupted."""
+
+    def __init__(self, group):
+        self.group = group
+        self.sent = 0
+
+    def start_broadcast(self, tensor, src=0):
+        self.sent += 1
+        if self.sent == 2:
+            tensor[7] ^= 1
+        return self.group.start_broadcast(tensor, src)
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
+def test_a_corrupted_bucket_aborts_the_sync_on_every_engine(setup):
+    engines, policy = setup
+    old = policy_weights(policy)
+    old_version = health(engines)[0]["weight_version"]
+    sender = BroadcastSender(
+        SyncConfig(bucket_bytes=16 * 1024, timeout_s=TIMEOUT_S, on_failure="restore")
+    )
+    sender.init(engines)
+    sender.group = FlipsAByte(sender.group)
+    try:
+        with pytest.raises(ChecksumMismatchError, match=r"1 of \d+ checksums differ.*'bucket-1'"):
+            sender.sync([(n, t + 0.5) for n, t in old.items()], old_version + 1)
+    finally:
+        sender.close()
+    # Both engines restored the old weights and serve the old version.
+    assert [(h["weight_version"], h["stale"], h["paused"]) for h in health(engines)] == [
+        (old_version, False, False)
+    ] * 2
+    assert_weights(engines, old)
 
 
 def test_engine_killed_mid_sync(setup):
