@@ -20,26 +20,27 @@ _LANES = 61
 _MASK = 0xFFFFFFFF
 
 
-def _words(tensor: Any):
+def device_sums(tensor: Any):
+    """The two sums of `tensor`'s bytes, as an int32 tensor of 2 on its device.
+    No copy of the tensor (a whole bucket may be summed on an engine's
+    critical path), unless its bytes start off a 4-byte boundary."""
     import torch
 
     flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    if flat.numel() % 4 or flat.storage_offset() % 4:
-        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 4)])
-    return flat.view(torch.int32)
-
-
-def device_sums(tensor: Any):
-    """The two sums of `tensor`'s bytes, as an int32 tensor of 2 on its device."""
-    import torch
-
-    words = _words(tensor)
+    if flat.storage_offset() % 4:
+        flat = flat.clone()
+    whole = flat.numel() - flat.numel() % 4
+    words = flat[:whole].view(torch.int32)
     body = words.numel() - words.numel() % _LANES
     if body:
         columns = words[:body].view(-1, _LANES).sum(0, dtype=torch.int32)
     else:
         columns = words.new_zeros(_LANES)
     tail = words[body:]
+    if whole < flat.numel():  # the last 1-3 bytes, zero-padded to one more word
+        last = flat.new_zeros(4)
+        last[: flat.numel() - whole] = flat[whole:]
+        tail = torch.cat([tail, last.view(torch.int32)])
     columns[: tail.numel()] += tail
     weights = torch.arange(1, _LANES + 1, dtype=torch.int32, device=words.device)
     return torch.stack([columns.sum(dtype=torch.int32), (columns * weights).sum(dtype=torch.int32)])
