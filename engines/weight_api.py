@@ -147,10 +147,6 @@ class WeightUpdateAPI:
     async def has_weight_group(self) -> bool:
         return all(await self.collective_rpc("has_weight_group"))
 
-    async def weight_group_ids(self) -> list[str | None]:
-        """Per worker: which group it is in ("address:port/name"), or None."""
-        return await self.collective_rpc("weight_group_id")
-
     async def num_weight_workers(self) -> int:
         """Ranks this engine takes in a weight group (its tensor-parallel size)."""
         return len(await self.collective_rpc("has_weight_group"))

@@ -319,12 +319,7 @@ class WeightSyncWorkerExtension:
         if problems:
             return {"bytes": 0, "problems": problems}
         handles = cuda_ipc.loads(ipc_handles) if isinstance(ipc_handles, bytes) else ipc_handles
-        weight = cuda_ipc.open_shared(handles, self.device.index)
-        if tuple(weight.shape) != spec.shape or weight.dtype != torch_dtype(spec.dtype):
-            raise WeightTransferError(
-                f"{name!r}: the shared tensor is {weight.dtype} {list(weight.shape)}, "
-                f"announced {spec.dtype} {list(spec.shape)}"
-            )
+        weight = self._open_announced(spec, handles)
         self._record_wire([(name, weight)])
         self._load_weights([(name, weight)])
         # The trainer frees or reuses its memory once we return.
@@ -372,16 +367,18 @@ class WeightSyncWorkerExtension:
         problems = self.weight_manifest_problems(specs.model_dump(mode="json"), allow_partial=True)
         if problems:
             return [], problems
-        weights = []
-        for spec, handles in zip(specs.params, shared["handles"], strict=True):
-            tensor = cuda_ipc.open_shared(handles, self.device.index)
-            if tuple(tensor.shape) != spec.shape or tensor.dtype != torch_dtype(spec.dtype):
-                raise WeightTransferError(
-                    f"{spec.name!r}: the shared tensor is {tensor.dtype} {list(tensor.shape)}, "
-                    f"announced {spec.dtype} {list(spec.shape)}"
-                )
-            weights.append((spec.name, tensor))
-        return weights, []
+        pairs = zip(specs.params, shared["handles"], strict=True)
+        return [(spec.name, self._open_announced(spec, handles)) for spec, handles in pairs], []
+
+    def _open_announced(self, spec: ParamSpec, handles: dict) -> Any:
+        """The trainer's tensor behind `handles`, which must be what `spec` announced."""
+        tensor = cuda_ipc.open_shared(handles, self.device.index)
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != torch_dtype(spec.dtype):
+            raise WeightTransferError(
+                f"{spec.name!r}: the shared tensor is {tensor.dtype} {list(tensor.shape)}, "
+                f"announced {spec.dtype} {list(spec.shape)}"
+            )
+        return tensor
 
     def release_shared_weights(self) -> None:
         self._shared_weights = None

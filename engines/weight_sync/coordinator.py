@@ -71,7 +71,10 @@ class Phases:
 
     def engines_reported(self, answers: list[Any], *keys: str) -> None:
         """Keep the slowest engine's seconds for each of `keys` in `answers`."""
-        self.engine_times.update(slowest(answers, keys))
+        for key in keys:
+            values = [a[key] for a in answers if isinstance(a, dict) and key in a]
+            if values:
+                self.engine_times[key] = max(values)
 
     def done(self, phase: str) -> None:
         now = time.monotonic()
@@ -81,16 +84,6 @@ class Phases:
     @property
     def total(self) -> float:
         return time.monotonic() - self.started
-
-
-def slowest(answers: list[Any], keys: tuple[str, ...]) -> dict[str, float]:
-    """Per key, the largest value among the engines' answers that have it."""
-    times = {}
-    for key in keys:
-        values = [a[key] for a in answers if isinstance(a, dict) and key in a]
-        if values:
-            times[key] = max(values)
-    return times
 
 
 def as_engine_list(engines: Any) -> list[Any]:

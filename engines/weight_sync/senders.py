@@ -192,7 +192,7 @@ class BroadcastTransfer:
             version,
             phases,
         )
-        self.weights, self.manifest = weights, manifest
+        self.manifest = manifest
         self.plan = plan_buckets(manifest, sender.config.bucket_bytes)
         self.sent = 0
         self._buckets = iter_buckets(self.plan, weights)
