@@ -34,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
 import ray
 from transformers import AutoTokenizer
 
+from engines.admission import Admission
 from engines.base import (
     SLEEP_TAGS,
     RolloutEngine,
@@ -134,6 +135,7 @@ class VLLMEngine(RolloutEngine):
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        self._admission = Admission()
         self._paused = False
         # This actor is the engine's front end, as vLLM's API server process
         # is: like it, keep the start-up heap (vLLM, torch, transformers) out
@@ -161,17 +163,23 @@ class VLLMEngine(RolloutEngine):
         prompts = normalize_prompts(prompt_token_ids)
         # check_request reads only the prompts and the engine's state.
         self.check_request(prompts, params)
-        self._raise_if_dead()
-        version = self.weight_version
-        tasks = [asyncio.ensure_future(self._one(prompt, params, version)) for prompt in prompts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            # One bad prompt (or a cancelled call) must not leave its siblings
-            # generating for nobody: cancelling a task aborts its vLLM request.
-            for task in tasks:
-                task.cancel()
-            raise
+        # Waits while a weight sync is open: the version stamped here must be
+        # the one the request runs on.
+        async with self._admission.request():
+            self.check_request(prompts, params)  # a failed sync may have left it stale
+            self._raise_if_dead()
+            version = self.weight_version
+            tasks = [
+                asyncio.ensure_future(self._one(prompt, params, version)) for prompt in prompts
+            ]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                # One bad prompt (or a cancelled call) must not leave its siblings
+                # generating for nobody: cancelling a task aborts its vLLM request.
+                for task in tasks:
+                    task.cancel()
+                raise
 
     async def _one(
         self, prompt: list[int], params: vllm.SamplingParams, version: int
@@ -244,6 +252,11 @@ class VLLMEngine(RolloutEngine):
         return info
 
     async def reset_prefix_cache(self) -> bool:
+        # Without prefix caching no KV outlives its request, so there is
+        # nothing stale to drop, and vLLM's reset walks every KV block in
+        # Python (v1/core/block_pool.py:784 in v0.26.0) on every sync.
+        if not self.engine.vllm_config.cache_config.enable_prefix_caching:
+            return True
         return await self.engine.reset_prefix_cache()
 
     async def sleep(self, level: int = 1) -> None:
@@ -266,15 +279,24 @@ class VLLMEngine(RolloutEngine):
         self._asleep -= tags_set
 
     async def pause_generation(self) -> None:
-        # "wait": new requests queue inside vLLM and requests in flight run to
-        # completion before this returns; the prefix cache is cleared once
-        # idle, since it would hold KV computed with the weights being replaced.
-        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        # New requests wait in this actor, not inside vLLM: one queued in vLLM
+        # is stamped with the version of its call but may run on the weights
+        # that replace them (vLLM's wake_up even resumes its scheduler by
+        # itself once all memory is back, v1/engine/core.py:913 in v0.26.0).
+        # Requests already let in run to completion first ("wait"). No call
+        # to the engine core: AsyncLLM.pause_generation ends with a 20 ms
+        # sleep (https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/engine/async_llm.py#L793),
+        # 20 of the 31-44 ms a sync's begin took.
+        await self._admission.close()
+        if self.engine.model_config.is_multimodal_model:
+            # Cached encoder outputs were computed with the weights being replaced.
+            await self.engine.reset_mm_cache()
+            await self.engine.reset_encoder_cache()
         self._paused = True
 
     async def resume_generation(self) -> None:
-        await self.engine.resume_generation()
         self._paused = False
+        self._admission.open()
 
     async def collective_rpc(
         self,

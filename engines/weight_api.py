@@ -24,9 +24,9 @@ from pydantic import BaseModel, ValidationError
 from engines.errors import EngineFailure
 from engines.weight_sync import cuda_ipc
 from engines.weight_sync.buckets import BucketPlan
+from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import ON_FAILURE
 from engines.weight_sync.errors import (
-    ChecksumMismatchError,
     ManifestMismatchError,
     WeightSyncError,
     WeightTransferError,
@@ -45,6 +45,15 @@ def raise_problems(engine: str, problems: list[str]) -> None:
         raise ManifestMismatchError(f"engine {engine}: weight manifest mismatch: {shown}{more}")
 
 
+def with_worker_checksums(results: list[dict]) -> dict:
+    """Rank 0's answer to a receive, with every worker's checksums (each
+    worker receives every byte, so each is checked)."""
+    answer = dict(results[0])
+    if "checksums" in answer:
+        answer["checksums"] = [r["checksums"] for r in results]
+    return answer
+
+
 def _validated(model: type[BaseModel], data: Any, engine: str) -> dict:
     """Plain data checked against `model`, before anything is touched."""
     try:
@@ -61,6 +70,7 @@ class WeightUpdateAPI:
     _weight_session: SyncSession | None = None
     _weight_lock: asyncio.Lock | None = None
     _accepted_manifests: frozenset[tuple[str, bool]] = frozenset()
+    _in_weight_group = False  # set by init_process_group, cleared by destroy_weight_group
 
     def _lock(self) -> asyncio.Lock:
         if self._weight_lock is None:
@@ -123,7 +133,7 @@ class WeightUpdateAPI:
             raise WeightSyncError(
                 f"rank_offset must be an integer >= 1 (0 is the trainer), got {rank_offset!r}"
             )
-        return await self.collective_rpc(
+        ranks = await self.collective_rpc(
             "init_process_group",
             kwargs=dict(
                 master_address=str(master_address),
@@ -135,8 +145,11 @@ class WeightUpdateAPI:
                 timeout_s=self._rpc_timeout(timeout_s),
             ),
         )
+        self._in_weight_group = True
+        return ranks
 
     async def destroy_weight_group(self) -> None:
+        self._in_weight_group = False
         await self.collective_rpc("destroy_weight_group")
 
     async def release_shared_weights(self) -> None:
@@ -170,11 +183,14 @@ class WeightUpdateAPI:
         on_failure: str = "stale",
         idle_timeout_s: float | None = None,
         allow_partial: bool = False,
+        wake: list[str] | None = None,
     ) -> dict:
         """Open a sync to `version`: check it and the manifest first (a bad one
-        raises and changes nothing), then pause generation and, with
-        `on_failure="restore"`, back the weights up. If no call comes for
-        `idle_timeout_s` (default: the engine's RPC timeout), the sync is aborted."""
+        raises and changes nothing), then pause generation, wake the `wake`
+        tags (e.g. ["weights"] of an engine put to sleep during training)
+        and, with `on_failure="restore"`, back the weights up. If no call
+        comes for `idle_timeout_s` (default: the engine's RPC timeout), the
+        sync is aborted."""
         if isinstance(version, bool) or not isinstance(version, int):
             raise WeightVersionError(f"version must be an integer, got {version!r}")
         # Versions never go back. Re-sending the version served is allowed: it
@@ -202,9 +218,14 @@ class WeightUpdateAPI:
                 started = time.monotonic()
                 await self.pause_generation()
                 paused = time.monotonic()
-                prepared = await self.collective_rpc(
-                    "prepare_weight_sync", args=(on_failure == "restore",)
-                )
+                if wake:
+                    await self.wake_up(wake)
+                # The workers have nothing to prepare unless they back up, or
+                # report which weight group they are in (one call saved per sync).
+                backup = on_failure == "restore"
+                prepared = None
+                if backup or self._in_weight_group:
+                    prepared = await self.collective_rpc("prepare_weight_sync", args=(backup,))
         except BaseException:
             self._weight_session = None
             await self.resume_generation()
@@ -214,10 +235,14 @@ class WeightUpdateAPI:
         return {
             "engine": self.config.name,
             "version": version,
-            "backup_bytes": sum(p["backup_bytes"] for p in prepared),
+            "backup_bytes": sum(p["backup_bytes"] for p in prepared or []),
             # Per worker: the weight group it is in, so a trainer learns
             # whether its group is intact without another call.
-            "group_ids": [p["group_id"] for p in prepared],
+            "group_ids": (
+                [p["group_id"] for p in prepared]
+                if prepared is not None
+                else [None] * self.config.tensor_parallel_size
+            ),
             "pause_s": paused - started,
             "prepare_s": time.monotonic() - paused,
         }
@@ -276,7 +301,7 @@ class WeightUpdateAPI:
         results = await self._in_session(
             "receive_weight_buckets", plan, bool(verify), timeout_s=timeout
         )
-        return results[0]
+        return with_worker_checksums(results)
 
     async def receive_shared_weights(self, mapping: str, shared: bytes | None, keep: bool) -> dict:
         """Load the colocated trainer's weights straight from its GPU memory
@@ -290,7 +315,9 @@ class WeightUpdateAPI:
 
     async def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
         """Load a safetensors checkpoint directory (HF layout) into the open sync."""
-        return (await self._in_session("load_weights_from_path", str(path), bool(verify)))[0]
+        return with_worker_checksums(
+            await self._in_session("load_weights_from_path", str(path), bool(verify))
+        )
 
     async def verify_weight_sync(self, version: int, checksums: dict[str, str]) -> dict:
         """Compare the checksums of this engine's weights with the trainer's
@@ -304,14 +331,27 @@ class WeightUpdateAPI:
                 raise
         return {"engine": self.config.name, "version": version, "verified": len(checksums)}
 
-    async def finish_weight_sync(self, version: int, checksums: dict[str, str] | None = None):
-        """Verify (when `checksums` are given), reset the prefix cache, serve
-        `version`, resume. A checksum mismatch aborts the sync and raises."""
+    async def finish_weight_sync(
+        self,
+        version: int,
+        checksums: dict[str, str] | None = None,
+        wake: list[str] | None = None,
+    ):
+        """Verify (when `checksums` are given), wake the `wake` tags (e.g.
+        ["kv_cache"] after a sync into a sleeping engine), reset the prefix
+        cache, serve `version`, resume. A checksum mismatch, or a failure to
+        wake, aborts the sync and raises."""
         if checksums:
             await self.verify_weight_sync(version, checksums)
         session = self._session(version)
         async with session.call(), self._lock():
-            await self.collective_rpc("end_weight_sync", args=(False,))
+            try:
+                await self.collective_rpc("end_weight_sync", args=(False,))
+                if wake:
+                    await self.wake_up(wake)
+            except BaseException as exc:
+                await self._abort(session, f"finishing failed: {exc}", locked=True)
+                raise
             session.stop_watchdog()
             self._weight_session = None
             await self.reset_prefix_cache()
@@ -328,13 +368,7 @@ class WeightUpdateAPI:
 
     async def _verify(self, expected: dict[str, str]) -> None:
         per_worker = await self.collective_rpc("weight_checksums", args=(list(expected),))
-        for rank, got in enumerate(per_worker):
-            bad = [name for name, value in expected.items() if got.get(name) != value]
-            if bad:
-                raise ChecksumMismatchError(
-                    f"engine {self.config.name} worker {rank}: {len(bad)} of {len(expected)} "
-                    f"checksums differ from the trainer's after the transfer, e.g. {bad[:3]}"
-                )
+        raise_checksum_mismatch(f"engine {self.config.name}", expected, per_worker)
 
     async def abort_weight_sync(self, reason: str = "aborted by the caller") -> dict:
         """End the open sync without committing: restore the backup or mark the

@@ -42,6 +42,7 @@ class WeightSyncWorkerExtension:
     # mapped between CUDA IPC syncs while the trainer's layout is unchanged.
     _shared_weights: tuple[str, list[tuple[str, Any]]] | None = None
     _expected: Manifest | None = None
+    _copy_plan: Any = None  # CopyPlan, made on the first load
 
     def _model(self):
         # get_model() unwraps the CUDA-graph wrapper vLLM may put around the
@@ -105,18 +106,34 @@ class WeightSyncWorkerExtension:
 
     # --- loading --------------------------------------------------------------------
     def _load_weights(self, weights: list[tuple[str, Any]]) -> None:
+        # Loaded once through the model's loader, then replayed as copies.
+        if self._copy_plan is None:
+            from engines.weight_sync.copy_plan import CopyPlan
+
+            self._copy_plan = CopyPlan(self._model(), self._model_loader())
+        self._copy_plan.load(weights)
+
+    def _model_loader(self):
         model = self._model()
         if self._is_vllm_model():
-            model.load_weights(weights=weights)
-            return
-        import torch
-
+            return lambda weights: model.load_weights(weights=weights)
         params = dict(model.named_parameters())
-        with torch.no_grad():
+
+        def copy_by_name(weights: list[tuple[str, Any]]) -> None:
             for name, tensor in weights:
                 if name not in params:
                     raise WeightSyncError(f"the model has no parameter {name!r}")
                 params[name].copy_(tensor)
+
+        return copy_by_name
+
+    def copy_plan_status(self) -> dict:
+        """Whether loads replay recorded copies (and how many), or why not."""
+        plan = self._copy_plan
+        return {
+            "copies": plan.size if plan is not None else 0,
+            "refused": plan.refused if plan is not None else None,
+        }
 
     def _record_wire(self, weights: list[tuple[str, Any]]) -> None:
         # Sums stay on the device (no host round trip per tensor); rendered
@@ -134,9 +151,8 @@ class WeightSyncWorkerExtension:
 
     # --- the sync around a transfer ---------------------------------------------------
     def prepare_weight_sync(self, backup: bool) -> dict:
-        """Before the first byte: forget the last sync's checksums and, with
-        `backup`, keep a host copy of the weights to restore on failure."""
-        self._wire_sums = {}
+        """Before the first byte: with `backup`, keep a host copy of the
+        weights to restore on failure; say which weight group this worker is in."""
         self._weight_backup = None
         started = time.monotonic()
         if backup:
@@ -153,9 +169,10 @@ class WeightSyncWorkerExtension:
 
     def end_weight_sync(self, restore: bool, failed: bool = False) -> dict:
         """After the sync: with `restore`, put the backup back (a failed sync);
-        always drop it. After a failure, shared trainer tensors are dropped
-        too (the trainer shares them afresh). Returns whether the old weights
-        were restored."""
+        always drop it and the sync's checksums. After a failure, shared
+        trainer tensors are dropped too (the trainer shares them afresh).
+        Returns whether the old weights were restored."""
+        self._wire_sums = None
         if failed:
             self._shared_weights = None
         restored = False
@@ -168,7 +185,8 @@ class WeightSyncWorkerExtension:
                     state[name].copy_(saved)
             restored = True
         self._weight_backup = None
-        self._empty_cache()
+        if failed:
+            self._empty_cache()  # what a receive left allocated when it failed
         return {"restored": restored}
 
     def weight_checksums(self, names: list[str]) -> dict[str, str | None]:
@@ -176,7 +194,8 @@ class WeightSyncWorkerExtension:
         name (transformers models); of the bytes received in the last sync
         otherwise: per tensor, or per bucket (`bucket-<i>`) for a bucketed
         broadcast (vLLM fuses and shards, so its live tensors have other
-        names and shapes). None for a name neither knows."""
+        names and shapes). None for a name neither knows. For inspection and
+        `verify_weight_sync`; the sync's own receives return theirs."""
         live = {} if self._is_vllm_model() else dict(self._model().named_parameters())
         pending = {n: (nbytes_of(live[n]), device_sums(live[n])) for n in names if n in live}
         wire = self._wire_sums or {}
@@ -258,10 +277,24 @@ class WeightSyncWorkerExtension:
         """Our bucketed path: every bucket of the plan arrives as one broadcast
         of a flat buffer, is unpacked into views and loaded. Two buffers take
         turns, so bucket k+1 is on the wire while bucket k is loaded."""
-        import torch
 
         plan_ = BucketPlan.model_validate(plan)
         group = self._group()  # fail before anything is allocated
+        result = self._receive_buckets(plan_, group, verify)
+        # The receive buffers (two buckets) go back to the GPU.
+        self._empty_cache()
+        return self._with_checksums(result, verify)
+
+    def _with_checksums(self, result: dict, verify: bool) -> dict:
+        """`result` with the checksums of what this sync received (one host
+        copy), for the trainer to compare: no separate verify call."""
+        if verify:
+            result["checksums"] = finish_checksums(self._wire_sums or {})
+        return result
+
+    def _receive_buckets(self, plan_: BucketPlan, group: WeightGroup, verify: bool) -> dict:
+        import torch
+
         started = time.monotonic()
         size = max(b.nbytes for b in plan_.buckets)
         buffers = [
@@ -395,4 +428,6 @@ class WeightSyncWorkerExtension:
             self._load_weights([(name, weight)])
             nbytes += tensor.numel() * tensor.element_size()
         self._empty_cache()
-        return {"bytes": nbytes, "seconds": time.monotonic() - started}
+        return self._with_checksums(
+            {"bytes": nbytes, "seconds": time.monotonic() - started}, verify
+        )

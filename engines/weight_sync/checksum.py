@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.weight_sync.errors import ChecksumMismatchError
+
 _LANES = 61
 _MASK = 0xFFFFFFFF
 
@@ -78,3 +80,16 @@ def finish_checksums(pending: dict[str, tuple[int, Any]]) -> dict[str, str]:
         for name, sums in zip(names, values, strict=True):
             result[name] = render(pending[name][0], sums)
     return result
+
+
+def raise_checksum_mismatch(
+    engine: str, expected: dict[str, str], per_worker: list[dict[str, str | None]]
+) -> None:
+    """ChecksumMismatchError naming the worker and the first names that differ."""
+    for rank, got in enumerate(per_worker):
+        bad = [name for name, value in expected.items() if got.get(name) != value]
+        if bad:
+            raise ChecksumMismatchError(
+                f"{engine} worker {rank}: {len(bad)} of {len(expected)} checksums differ "
+                f"from the trainer's after the transfer, e.g. {bad[:3]}"
+            )

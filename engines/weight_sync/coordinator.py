@@ -1,7 +1,8 @@
 """Two-phase sync over a set of engines, shared by every transport.
 
 begin (all: check the manifest, then pause) -> transfer (the transport's
-job) -> verify (all) -> finish (all: reset prefix cache, new version,
+job; each engine returns checksums of what it received) -> verify (here,
+against the trainer's) -> finish (all: reset prefix cache, new version,
 resume). If anything fails before finish, every engine that began is aborted
 (restored or marked stale) so no engine commits a version the others lack.
 One control call per engine per phase: at small models the control calls,
@@ -17,8 +18,9 @@ from typing import Any
 
 from engines.client import EngineCallResult, call_engines, engine_label
 from engines.errors import EngineDeadError, EngineFailure
+from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import SyncConfig
-from engines.weight_sync.errors import WeightSyncError, WeightTransferError
+from engines.weight_sync.errors import ChecksumMismatchError, WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -128,10 +130,14 @@ class Coordinator:
         return results
 
     def begin(
-        self, version: int, manifest: Manifest | None, allow_partial: bool = False
+        self,
+        version: int,
+        manifest: Manifest | None,
+        allow_partial: bool = False,
+        wake: list[str] | None = None,
     ) -> list[dict]:
         """Open the sync on every engine (each checks the manifest before it
-        pauses); returns their answers, or aborts all and raises."""
+        pauses, then wakes `wake`); returns their answers, or aborts all and raises."""
         payload = manifest.model_dump(mode="json") if manifest is not None else None
         results = self._call(
             "begin_weight_sync",
@@ -140,6 +146,7 @@ class Coordinator:
             on_failure=self.config.on_failure,
             idle_timeout_s=self.config.timeout_s,
             allow_partial=allow_partial,
+            wake=wake,
         )
         self._open = [r.engine for r in results if r.ok]
         if len(self._open) != len(self.engines):
@@ -180,17 +187,23 @@ class Coordinator:
             raise error
         return [r.value for r in results]
 
-    def verify(self, version: int, checksums: dict[str, str]) -> None:
-        # Its own phase, before any engine commits: one engine's mismatch
-        # aborts all, so the engines never serve different versions.
-        results = self._call("verify_weight_sync", version, checksums, only=self._open)
-        if not all(r.ok for r in results):
-            error = failure_of(self.engines, results, f"verify version {version}")
-            self.abort(f"verify failed: {error}")
-            raise error
+    def check_received(self, version: int, expected: dict[str, str], answers: list[dict]) -> None:
+        """Compare the checksums each engine's workers returned with their
+        transfer against the trainer's, before any engine commits: one
+        engine's mismatch aborts all, so the engines never serve different
+        versions."""
+        for index, answer in enumerate(answers):
+            try:
+                raise_checksum_mismatch(
+                    engine_label(self.engines, index), expected, answer["checksums"]
+                )
+            except ChecksumMismatchError as error:
+                self.abort(f"verify version {version} failed: {error}")
+                raise
 
-    def finish(self, version: int) -> None:
-        results = self._call("finish_weight_sync", version, only=self._open)
+    def finish(self, version: int, wake: list[str] | None = None) -> None:
+        """Commit on every engine (each wakes `wake` before it resumes)."""
+        results = self._call("finish_weight_sync", version, wake=wake, only=self._open)
         self._open = []
         if not all(r.ok for r in results):
             # Engines that failed here aborted themselves (or died); those that

@@ -262,7 +262,7 @@ class BroadcastTransfer:
         self.phases.engines_reported(received, "wait_s", "load_s")
         self.phases.done("transfer")
         if expected is not None:
-            self.coordinator.verify(self.version, expected)
+            self.coordinator.check_received(self.version, expected, received)
             self.phases.done("verify")
         self.coordinator.finish(self.version)
         self.phases.done("finish")
@@ -322,12 +322,6 @@ class CudaIpcSender:
         self._held = self._last_layout = None
         self.engines = []
 
-    def _wake(self, tags: list[str]) -> None:
-        if self.wake_up:
-            raise_first_error(
-                call_engines(self.engines, "wake_up", tags, timeout_s=self.config.timeout_s)
-            )
-
     def _share(self, weights: list[tuple[str, Any]]) -> bytes:
         handles = [cuda_ipc.share(t) for _, t in weights]
         if self.gather_handles is not None:
@@ -347,8 +341,10 @@ class CudaIpcSender:
         layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
         coordinator = Coordinator(self.engines, self.config)
         phases = Phases()
-        self._wake(["weights"])
-        phases.engines_reported(coordinator.begin(version, manifest), "pause_s", "prepare_s")
+        # Engines put to sleep during training get their weights back first,
+        # inside begin (no call of its own), and their KV cache in finish.
+        begun = coordinator.begin(version, manifest, wake=["weights"] if self.wake_up else None)
+        phases.engines_reported(begun, "pause_s", "prepare_s")
         phases.done("begin")
         held, self._held = self._held, None
         try:
@@ -376,10 +372,7 @@ class CudaIpcSender:
         else:
             torch.cuda.ipc_collect()  # free what the engines have let go
         phases.done("transfer")
-        # Wake the KV cache before `finish` resumes generation: a request let
-        # in between would meet a sleeping engine.
-        self._wake(["kv_cache"])
-        coordinator.finish(version)
+        coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
         phases.done("finish")
         return SyncReport(
             version,
@@ -412,10 +405,10 @@ def sync_from_checkpoint(
     phases.engines_reported(coordinator.begin(version, manifest), "pause_s", "prepare_s")
     phases.done("begin")
     refs = [e.load_weights_from_path.remote(str(path), config.verify) for e in engines]
-    coordinator.collect(refs, f"load {path}")
+    received = coordinator.collect(refs, f"load {path}")
     phases.done("transfer")
     if config.verify:
-        coordinator.verify(version, checksums(checkpoint.iter_tensors(path)))
+        coordinator.check_received(version, checksums(checkpoint.iter_tensors(path)), received)
         phases.done("verify")
     coordinator.finish(version)
     phases.done("finish")

@@ -63,6 +63,11 @@ def sync_and_check(ray, engine, policy, before, seed: int, scale: float = 0.02) 
     health = ray.get(engine.health.remote(), timeout=TIMEOUT_S)
     assert health["weight_version"] == version and not health["stale"]
     after = assert_matches_trainer(ray, engine, policy, f"after sync v{version}")
+    # Loads after the first replay the copies recorded from vLLM's own
+    # load_weights: the parity above is also the check that they are right.
+    (plan,) = ray.get(engine.collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S)
+    print(f"copy plan after sync v{version}: {plan}")
+    assert plan["refused"] is None and plan["copies"] > 0
     moved, _ = diffs(before, after)
     print(f"sync v{version} moved the engine's logprobs by up to {moved:.3f}")
     assert moved > MOVED_MIN, f"the engine's logprobs barely moved ({moved:.4f})"

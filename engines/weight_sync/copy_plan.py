@@ -1,0 +1,213 @@
+"""A model's weight loading, recorded once and replayed as plain copies.
+
+vLLM's `load_weights` maps each HF tensor onto fused, tensor-parallel
+parameters in Python (name mapping, q/k/v and gate/up stacking, TP
+narrowing): at 7B, 291 tensors and more host time than the GPU spends copying
+them, on every sync (docs/benchmarks.md). That mapping depends on names and
+shapes, never on values, so `CopyPlan` records it the first time a tensor is
+loaded (which slice of the incoming tensor each `copy_` writes into which
+slice of which parameter) and later syncs make those copies directly.
+
+A loader that does anything else with an incoming tensor (arithmetic, a
+concatenation, `.item()`, an in-place op, a copy into a temporary) cannot be
+replayed as copies: recording refuses it, and that model keeps going through
+its own loader on every sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._pytree import tree_leaves
+
+logger = logging.getLogger(__name__)
+
+Loader = Callable[[list[tuple[str, Any]]], Any]
+
+# Functions that read an incoming tensor's metadata, never its values.
+_METADATA = frozenset(
+    {
+        "shape",
+        "size",
+        "ndim",
+        "dim",
+        "dtype",
+        "device",
+        "layout",
+        "is_cuda",
+        "is_contiguous",
+        "is_floating_point",
+        "numel",
+        "nelement",
+        "element_size",
+        "stride",
+        "storage_offset",
+        "requires_grad",
+        "__len__",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """`dst.copy_(incoming.as_strided(size, stride, incoming's offset + offset))`."""
+
+    dst: Any  # a view of a parameter, kept from the recording
+    param: Any  # the parameter `dst` views
+    data_ptr: int  # where that parameter's memory was when recorded
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _layout(tensor: Any) -> tuple:
+    return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def _op_name(func: Any) -> str:
+    parts = (resolve_name(func) or getattr(func, "__name__", repr(func))).split(".")
+    return parts[-2] if parts[-1] in ("__get__", "__set__") else parts[-1]
+
+
+class CopyPlan:
+    """Loads weights into `model` through `loader`, or by replaying the copies
+    `loader` made for the same names and layouts before."""
+
+    def __init__(self, model: Any, loader: Loader):
+        self.model = model
+        self.loader = loader
+        # name -> (the incoming tensor's layout, its copies)
+        self._copies: dict[str, tuple[tuple, list[_Copy]]] = {}
+        self.refused: str | None = None  # why this model's loader cannot be replayed
+
+    def load(self, weights: list[tuple[str, Any]]) -> None:
+        unknown = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                planned = self._copies.get(name)
+                if planned is None or planned[0] != _layout(tensor) or not _in_place(planned[1]):
+                    unknown.append((name, tensor))
+                    continue
+                base = tensor.storage_offset()
+                for copy in planned[1]:
+                    copy.dst.copy_(
+                        tensor.as_strided(copy.size, copy.stride, base + copy.offset),
+                        non_blocking=True,
+                    )
+            if unknown:
+                self._record(unknown)
+
+    def _record(self, weights: list[tuple[str, Any]]) -> None:
+        if self.refused is not None:
+            self.loader(weights)
+            return
+        recorder = _Recorder(dict(weights), self.model)
+        with recorder:
+            self.loader(weights)
+        if recorder.refused is not None:
+            self.refused = recorder.refused
+            self._copies.clear()
+            logger.warning(
+                "weight loading cannot be replayed as copies (%s): every sync goes "
+                "through the model's own loader",
+                self.refused,
+            )
+            return
+        for name, tensor in weights:
+            self._copies[name] = (_layout(tensor), recorder.copies[name])
+
+    @property
+    def size(self) -> int:
+        """Copies recorded."""
+        return sum(len(copies) for _, copies in self._copies.values())
+
+
+def _in_place(copies: list[_Copy]) -> bool:
+    # A parameter given new memory since the recording (e.g. `param.data =
+    # ...`) would leave the recorded views on the old memory.
+    return all(c.param.untyped_storage().data_ptr() == c.data_ptr for c in copies)
+
+
+class _Recorder(TorchFunctionMode):
+    """Watches every torch function the loader calls: views of an incoming
+    tensor are followed, `param_view.copy_(incoming_view)` is recorded, and
+    anything else done to an incoming tensor refuses the recording."""
+
+    def __init__(self, incoming: dict[str, Any], model: Any):
+        super().__init__()
+        # id -> (incoming name, the tensor): the incoming tensors and the views
+        # taken of them (held here, so ids are not reused while recording).
+        self.origin = {id(t): (name, t) for name, t in incoming.items()}
+        self.incoming = incoming
+        self.copies: dict[str, list[_Copy]] = {name: [] for name in incoming}
+        self.refused: str | None = None
+        self.params = {
+            p.untyped_storage().data_ptr(): p
+            for p in list(model.parameters()) + list(model.buffers())
+        }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.refused is not None:
+            return func(*args, **kwargs)
+        tracked = [a for a in tree_leaves((args, kwargs)) if id(a) in self.origin]
+        if not tracked:
+            return func(*args, **kwargs)
+        name = _op_name(func)
+        if name == "copy_":
+            self._record_copy(args, kwargs)
+            return func(*args, **kwargs)
+        if name.endswith("_") or name.startswith("__i") or name == "__setitem__":
+            self.refused = f"{name} on an incoming tensor"
+            return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        self._follow(name, result, tracked)
+        return result
+
+    def _record_copy(self, args: tuple, kwargs: dict) -> None:
+        dst, src = args[0], args[1]
+        param = self.params.get(dst.untyped_storage().data_ptr())
+        if id(dst) in self.origin or id(src) not in self.origin or len(args) > 2:
+            self.refused = "copy_ into an incoming tensor"
+        elif set(kwargs) - {"non_blocking"}:
+            self.refused = f"copy_ with {sorted(kwargs)}"
+        elif param is None:
+            self.refused = "copy_ of an incoming tensor into a temporary"
+        else:
+            name = self.origin[id(src)][0]
+            base = self.incoming[name]
+            self.copies[name].append(
+                _Copy(
+                    dst=dst,
+                    param=param,
+                    data_ptr=param.untyped_storage().data_ptr(),
+                    offset=src.storage_offset() - base.storage_offset(),
+                    size=tuple(src.shape),
+                    stride=tuple(src.stride()),
+                )
+            )
+
+    def _follow(self, name: str, result: Any, tracked: list[Any]) -> None:
+        tensors = result if isinstance(result, tuple | list) else [result]
+        if not any(isinstance(t, torch.Tensor) for t in tensors):
+            if name not in _METADATA:
+                self.refused = f"{name} read an incoming tensor's values"
+            return
+        origin_name = self.origin[id(tracked[0])][0]
+        base = self.incoming[origin_name]
+        for tensor in tensors:
+            is_view = (
+                isinstance(tensor, torch.Tensor)
+                and len({self.origin[id(t)][0] for t in tracked}) == 1
+                and tensor.dtype == base.dtype
+                and tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            )
+            if not is_view:
+                self.refused = f"{name} computed a new tensor from an incoming one"
+                return
+            self.origin[id(tensor)] = (origin_name, tensor)
