@@ -162,7 +162,9 @@ class _Recorder(TorchFunctionMode):
         if name == "copy_":
             self._record_copy(args, kwargs)
             return func(*args, **kwargs)
-        if name.endswith("_") or name.startswith("__i") or name == "__setitem__":
+        dunder = name.startswith("__") and name.endswith("__")
+        in_place = name.endswith("_") and not dunder or name.startswith("__i")
+        if in_place or name == "__setitem__":
             self.refused = f"{name} on an incoming tensor"
             return func(*args, **kwargs)
         result = func(*args, **kwargs)

@@ -20,6 +20,7 @@ class FusedModel(torch.nn.Module):
         self.qkv = torch.nn.Parameter(torch.zeros(3 * HIDDEN, HIDDEN), requires_grad=False)
         self.down = torch.nn.Parameter(torch.zeros(HIDDEN, HIDDEN // 2), requires_grad=False)
         self.embed = torch.nn.Parameter(torch.zeros(PADDED, HIDDEN), requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.zeros(HIDDEN), requires_grad=False)
 
 
 class VllmLikeLoader:
@@ -45,6 +46,10 @@ class VllmLikeLoader:
             elif name == "embed":
                 self.model.embed[: w.shape[0]].data.copy_(w)
                 self.model.embed[w.shape[0] :].data.fill_(0)
+            elif name == "scale":
+                w.shard_id = 0  # vLLM's name mapper tags tensors so
+                assert len(w) == 1
+                self.model.scale.data.copy_(w[w.shard_id])
             elif name == "tied_head":
                 pass  # skipped, as vLLM skips a tied lm_head
 
@@ -57,6 +62,7 @@ def hf_weights(seed: int):
         "v": (HIDDEN, HIDDEN),
         "down": (HIDDEN, HIDDEN),
         "embed": (VOCAB, HIDDEN),
+        "scale": (1, HIDDEN),
         "tied_head": (VOCAB, HIDDEN),
     }
     return [(n, torch.randn(s, generator=g).to(torch.bfloat16)) for n, s in shapes.items()]
@@ -90,7 +96,7 @@ def test_replays_the_loaders_copies_without_calling_it():
     plan.load(hf_weights(0))
     assert loader.calls == 1
     assert plan.refused is None
-    assert plan.size == 5  # q, k, v, down, embed; the skipped head has none
+    assert plan.size == 6  # one per tensor but the skipped head
 
     # New values, arriving as views into a bucket at other offsets.
     new = as_bucket_views(hf_weights(1))
