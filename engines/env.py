@@ -31,6 +31,10 @@ PREFECT_API_URL = "PREFECT_API_URL"
 #: Off: analytics writes to the local SQLite database and causes
 #: "database is locked" noise.
 PREFECT_SERVER_ANALYTICS_ENABLED = "PREFECT_SERVER_ANALYTICS_ENABLED"
+#: How long a run waits for its ephemeral Prefect server (Prefect's default:
+#: 20 s). The CLI raises it to 120 s: a first start on a fresh machine
+#: (database migrations, block registration) ran past 20 s on an H200 host.
+PREFECT_STARTUP_TIMEOUT = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
 # --- set for engine actors (runtime_env) --------------------------------------
 #: vLLM's Ray executor: which bundles of the engine's placement group to use.

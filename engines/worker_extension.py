@@ -389,6 +389,7 @@ class WeightSyncWorkerExtension:
         return {
             "bytes": sum(nbytes_of(t) for _, t in weights),
             "problems": [],
+            "holds_sync_state": False,  # nothing for end_weight_sync to drop
             "open_s": opened - started,
             "load_s": time.monotonic() - opened,
         }

@@ -25,6 +25,9 @@ class SyncSession:
     idle_timeout_s: float
     implicit: bool = False  # opened by an OpenRLHF-style update_weight call
     touched: bool = False  # some weights were (maybe partly) loaded
+    # The workers hold something of this sync (a backup, checksums,
+    # buffers) that `end_weight_sync` must drop; a CUDA IPC receive leaves nothing.
+    worker_state: bool = False
     active_calls: int = 0
     last_activity: float = field(default_factory=time.monotonic)
     nbytes: int = 0
