@@ -43,6 +43,7 @@ class WeightSyncWorkerExtension:
     _shared_weights: tuple[str, list[tuple[str, Any]]] | None = None
     _expected: Manifest | None = None
     _copy_plan: Any = None  # CopyPlan, made on the first load
+    _bucket_plan: tuple[dict, BucketPlan] | None = None  # (as sent, validated)
 
     def _model(self):
         # get_model() unwraps the CUDA-graph wrapper vLLM may put around the
@@ -278,7 +279,10 @@ class WeightSyncWorkerExtension:
         of a flat buffer, is unpacked into views and loaded. Two buffers take
         turns, so bucket k+1 is on the wire while bucket k is loaded."""
 
-        plan_ = BucketPlan.model_validate(plan)
+        if self._bucket_plan is None or self._bucket_plan[0] != plan:
+            # Validated once per layout: most syncs send the plan of the last.
+            self._bucket_plan = (plan, BucketPlan.model_validate(plan))
+        plan_ = self._bucket_plan[1]
         group = self._group()  # fail before anything is allocated
         result = self._receive_buckets(plan_, group, verify)
         # The receive buffers (two buckets) go back to the GPU.

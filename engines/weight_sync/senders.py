@@ -17,7 +17,13 @@ from typing import Any
 from engines.client import call_engines, raise_first_error
 from engines.weight_sync import checkpoint, cuda_ipc
 from engines.weight_sync.broadcast import WeightGroup, free_port
-from engines.weight_sync.buckets import bucket_key, iter_buckets, pack_bucket, plan_buckets
+from engines.weight_sync.buckets import (
+    BucketPlan,
+    bucket_key,
+    iter_buckets,
+    pack_bucket,
+    plan_buckets,
+)
 from engines.weight_sync.checksum import checksums, device_sums, finish_checksums
 from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport, as_engine_list
@@ -77,6 +83,7 @@ class BroadcastSender:
         self.group: WeightGroup | None = None
         self.info: GroupInfo | None = None
         self._manifests = ManifestCache()
+        self._plan: tuple[tuple, BucketPlan, dict] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
     def init(self, engines: list[Any]) -> GroupInfo:
@@ -146,6 +153,15 @@ class BroadcastSender:
                         result.error,
                     )
 
+    def bucket_plan(self, manifest: Manifest) -> tuple[BucketPlan, dict]:
+        """The buckets of `manifest` and their plain form, made again only
+        when the manifest or the bucket size changes."""
+        key = (manifest, self.config.bucket_bytes)
+        if self._plan is None or self._plan[0] != key:
+            plan = plan_buckets(manifest, self.config.bucket_bytes)
+            self._plan = (key, plan, plan.model_dump(mode="json"))
+        return self._plan[1], self._plan[2]
+
     def _group_intact(self, begun: list[dict]) -> bool:
         """Our group is up, and every engine worker is still in it (a failed
         sync tears groups down; another trainer may have taken the engines):
@@ -210,7 +226,7 @@ class BroadcastTransfer:
             phases,
         )
         self.manifest = manifest
-        self.plan = plan_buckets(manifest, sender.config.bucket_bytes)
+        self.plan, plan = sender.bucket_plan(manifest)
         self.sent = 0
         self._buckets = iter_buckets(self.plan, weights)
         # Two buffers take turns: bucket k+1 is packed while bucket k is on
@@ -223,7 +239,6 @@ class BroadcastTransfer:
         self._in_flight = None
         # Per bucket: (bytes, checksum sums on the device) of what was packed.
         self._sums: dict[str, tuple[int, Any]] = {}
-        plan = self.plan.model_dump(mode="json")
         self._refs = [
             e.receive_weight_buckets.remote(plan, sender.config.verify) for e in sender.engines
         ]
