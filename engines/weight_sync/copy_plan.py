@@ -86,21 +86,27 @@ class CopyPlan:
         self.refused: str | None = None  # why this model's loader cannot be replayed
 
     def load(self, weights: list[tuple[str, Any]]) -> None:
-        unknown = []
         with torch.no_grad():
-            for name, tensor in weights:
-                planned = self._copies.get(name)
-                if planned is None or planned[0] != _layout(tensor) or not _in_place(planned[1]):
-                    unknown.append((name, tensor))
-                    continue
+            planned = [self._planned(name, tensor) for name, tensor in weights]
+            if any(copies is None for copies in planned):
+                # All through the loader, in order: a loader may write one
+                # place from two tensors, and the later one must win.
+                self._record(weights)
+                return
+            for (_, tensor), copies in zip(weights, planned, strict=True):
                 base = tensor.storage_offset()
-                for copy in planned[1]:
+                for copy in copies:
                     copy.dst.copy_(
                         tensor.as_strided(copy.size, copy.stride, base + copy.offset),
                         non_blocking=True,
                     )
-            if unknown:
-                self._record(unknown)
+
+    def _planned(self, name: str, tensor: Any) -> list[_Copy] | None:
+        """The copies recorded for this tensor, if they still apply."""
+        layout, copies = self._copies.get(name, (None, None))
+        if copies is None or layout != _layout(tensor) or not _in_place(copies):
+            return None
+        return copies
 
     def _record(self, weights: list[tuple[str, Any]]) -> None:
         if self.refused is not None:

@@ -149,3 +149,18 @@ def test_other_uses_of_an_incoming_tensor_refuse_the_recording(misuse):
     plan.load(hf_weights(0)[:1])
     assert plan.refused is not None
     assert plan.size == 0
+
+
+def test_the_later_of_two_tensors_writing_one_place_wins_as_in_the_loader():
+    model = FusedModel().to(torch.bfloat16)
+
+    def overwriting(weights):
+        for _, w in weights:
+            model.scale.data.copy_(w)
+
+    plan = CopyPlan(model, overwriting)
+    a, b = torch.full((HIDDEN,), 1.0), torch.full((HIDDEN,), 2.0)
+    plan.load([("b", b)])  # "b" recorded alone first
+    for _ in range(2):  # then both: through the loader, then replayed
+        plan.load([("a", a), ("b", b)])
+        assert torch.equal(model.scale, b.to(torch.bfloat16))
