@@ -278,7 +278,6 @@ class WeightSyncWorkerExtension:
         """Our bucketed path: every bucket of the plan arrives as one broadcast
         of a flat buffer, is unpacked into views and loaded. Two buffers take
         turns, so bucket k+1 is on the wire while bucket k is loaded."""
-
         if self._bucket_plan is None or self._bucket_plan[0] != plan:
             # Validated once per layout: most syncs send the plan of the last.
             self._bucket_plan = (plan, BucketPlan.model_validate(plan))
