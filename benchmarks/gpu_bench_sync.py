@@ -146,6 +146,18 @@ class SyncPeer:
             best = min(best, time.perf_counter() - start)
         return best
 
+    def engine_call_ms(self, engines: list, calls: int = 50) -> float:
+        """Median round trip of a no-op engine call (`weight_status`) from
+        this trainer: what each of a sync's control calls costs at least."""
+        import ray
+
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            ray.get(engines[0].weight_status.remote(), timeout=TIMEOUT_S)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2] * 1e3
+
     def checksum_seconds(self, repeats: int = 5) -> float:
         """Best of `repeats` checksums of one 1 GiB bucket (what verification
         adds on each side per bucket)."""
@@ -229,6 +241,7 @@ def bench_size(ray, name: str, model_dir: Path, syncs: int, two_gpus: bool) -> d
         figures["copy_plan"] = ray.get(
             engines[0].collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S
         )
+        figures["engine_call_ms"] = ray.get(near.engine_call_ms.remote(engines), timeout=TIMEOUT_S)
         copy = near.device_copy_seconds.remote(nbytes)
         figures["ipc"]["raw_s"] = ray.get(copy, timeout=TIMEOUT_S)
         figures["checksum_s_per_gib"] = ray.get(near.checksum_seconds.remote(), timeout=TIMEOUT_S)
@@ -290,6 +303,7 @@ def print_table(results: dict) -> None:
         print(f"  {size}: engine ready in {figures['engine_ready_s']:.1f}s")
         print(f"  {size}: copy plan {figures['copy_plan']}")
         print(f"  {size}: checksum of 1 GiB {figures['checksum_s_per_gib'] * 1e3:.2f} ms")
+        print(f"  {size}: a no-op engine call from the trainer {figures['engine_call_ms']:.2f} ms")
 
 
 def weight_sync(sizes: list[str], syncs: int, root: Path) -> dict:
