@@ -63,6 +63,12 @@ class _Copy:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    whole: bool  # the source is the incoming tensor itself (the common case)
+
+    def source(self, incoming: Any) -> Any:
+        if self.whole:
+            return incoming
+        return incoming.as_strided(self.size, self.stride, incoming.storage_offset() + self.offset)
 
 
 def _layout(tensor: Any) -> tuple:
@@ -94,12 +100,8 @@ class CopyPlan:
                 self._record(weights)
                 return
             for (_, tensor), copies in zip(weights, planned, strict=True):
-                base = tensor.storage_offset()
                 for copy in copies:
-                    copy.dst.copy_(
-                        tensor.as_strided(copy.size, copy.stride, base + copy.offset),
-                        non_blocking=True,
-                    )
+                    copy.dst.copy_(copy.source(tensor), non_blocking=True)
 
     def _planned(self, name: str, tensor: Any) -> list[_Copy] | None:
         """The copies recorded for this tensor, if they still apply."""
@@ -136,7 +138,7 @@ class CopyPlan:
 def _in_place(copies: list[_Copy]) -> bool:
     # A parameter given new memory since the recording (e.g. `param.data =
     # ...`) would leave the recorded views on the old memory.
-    return all(c.param.untyped_storage().data_ptr() == c.data_ptr for c in copies)
+    return all(c.param.data_ptr() == c.data_ptr for c in copies)
 
 
 class _Recorder(TorchFunctionMode):
@@ -189,14 +191,17 @@ class _Recorder(TorchFunctionMode):
         else:
             name = self.origin[id(src)][0]
             base = self.incoming[name]
+            offset = src.storage_offset() - base.storage_offset()
+            size, stride = tuple(src.shape), tuple(src.stride())
             self.copies[name].append(
                 _Copy(
                     dst=dst,
                     param=param,
-                    data_ptr=param.untyped_storage().data_ptr(),
-                    offset=src.storage_offset() - base.storage_offset(),
-                    size=tuple(src.shape),
-                    stride=tuple(src.stride()),
+                    data_ptr=param.data_ptr(),
+                    offset=offset,
+                    size=size,
+                    stride=stride,
+                    whole=offset == 0 and (size, stride) == _layout(base)[1:],
                 )
             )
 
