@@ -8,7 +8,9 @@ generation and optionally back the weights up) -> one or more receive calls
 new version, resume) or `abort_weight_sync` (restore the backup, or mark the
 engine stale; then resume, so requests get a clear error instead of a hang).
 Nothing is served between begin and finish, so no request sees a mix of
-versions. OpenRLHF's `update_weight` opens a session implicitly and its last
+versions. `begin_and_receive` runs begin and a receive (and, for one engine,
+finish) in one call, for receives that need nothing from the trainer after
+begin. OpenRLHF's `update_weight` opens a session implicitly and its last
 call (`empty_cache=True`, as OpenRLHF sends it) commits it.
 """
 
@@ -36,6 +38,11 @@ from engines.weight_sync.manifest import Manifest, dtype_name
 from engines.weight_sync.session import SyncSession
 
 logger = logging.getLogger(__name__)
+
+
+#: Receives `begin_and_receive` may run: those whose bytes the engine pulls
+#: itself, so no trainer-side step has to follow begin.
+ONE_CALL_RECEIVES = ("receive_shared_weights", "load_weights_from_path")
 
 
 def raise_problems(engine: str, problems: list[str]) -> None:
@@ -327,6 +334,52 @@ class WeightUpdateAPI:
             raise WeightSyncError(f"engine {self.config.name}: shared handles must be bytes")
         results = await self._in_session("receive_shared_weights", str(mapping), shared, bool(keep))
         return results[0]
+
+    async def begin_and_receive(
+        self,
+        version: int,
+        manifest: dict | None,
+        receive: str,
+        args: list,
+        *,
+        commit: bool = False,
+        on_failure: str = "stale",
+        idle_timeout_s: float | None = None,
+        allow_partial: bool = False,
+        wake: list[str] | None = None,
+        wake_after: list[str] | None = None,
+    ) -> dict:
+        """`begin_weight_sync`, then the receive `receive(*args)`, in one call;
+        with `commit`, `finish_weight_sync(wake=wake_after)` too. For receives
+        that pull the bytes themselves (CUDA IPC, a checkpoint): the trainer
+        needs nothing from begin before the bytes can move, so a round trip
+        is saved (a third of a CUDA IPC sync at 7B). `commit` is for a sync
+        with nothing to agree on between receive and commit: one engine,
+        nothing to verify. Any failure aborts the sync here and raises."""
+        started = time.monotonic()
+        if receive not in ONE_CALL_RECEIVES:
+            raise WeightSyncError(
+                f"begin_and_receive takes one of {ONE_CALL_RECEIVES}, not {receive!r}"
+            )
+        answer = await self.begin_weight_sync(
+            version,
+            manifest,
+            on_failure=on_failure,
+            idle_timeout_s=idle_timeout_s,
+            allow_partial=allow_partial,
+            wake=wake,
+        )
+        try:
+            answer.update(await getattr(self, receive)(*args))
+            if commit:
+                await self.finish_weight_sync(version, wake=wake_after)
+        except BaseException as exc:
+            # Failures inside the session already aborted it; this closes
+            # one raised before (bad arguments). Idempotent.
+            await self.abort_weight_sync(f"{receive} failed: {exc}")
+            raise
+        answer.update(committed=commit, call_s=time.monotonic() - started)
+        return answer
 
     async def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
         """Load a safetensors checkpoint directory (HF layout) into the open sync."""

@@ -6,7 +6,9 @@ against the trainer's) -> finish (all: reset prefix cache, new version,
 resume). If anything fails before finish, every engine that began is aborted
 (restored or marked stale) so no engine commits a version the others lack.
 One control call per engine per phase: at small models the control calls,
-not the bytes, are most of a sync.
+not the bytes, are most of a sync. Where the engines pull the bytes
+themselves (CUDA IPC, a checkpoint), begin rides on the transfer call, and
+with one engine and nothing to verify so does finish: one call per sync.
 """
 
 from __future__ import annotations
@@ -154,6 +156,47 @@ class Coordinator:
             self.abort(f"begin failed: {error}")
             raise error
         return [r.value for r in results]
+
+    def begin_and_receive(
+        self,
+        version: int,
+        manifest: Manifest | None,
+        receive: str,
+        args: tuple,
+        *,
+        allow_partial: bool = False,
+        wake: list[str] | None = None,
+        wake_after: list[str] | None = None,
+        verified: bool = False,
+    ) -> list[dict]:
+        """Begin and a receive whose bytes the engines pull themselves (CUDA
+        IPC, a checkpoint) in one call per engine. One engine with nothing
+        for the trainer to verify also commits in that call (`wake_after`
+        woken first): a sync with nobody to agree with needs no second
+        phase. Otherwise `finish` (or `abort`) follows as usual; each answer
+        says which (`committed`). Any failure aborts every engine and raises."""
+        commit = len(self.engines) == 1 and not verified
+        payload = manifest.model_dump(mode="json") if manifest is not None else None
+        self._open = list(range(len(self.engines)))
+        refs = [
+            engine.begin_and_receive.remote(
+                version,
+                payload,
+                receive,
+                list(args),
+                commit=commit,
+                on_failure=self.config.on_failure,
+                idle_timeout_s=self.config.timeout_s,
+                allow_partial=allow_partial,
+                wake=wake,
+                wake_after=wake_after,
+            )
+            for engine in self.engines
+        ]
+        answers = self.collect(refs, f"sync to version {version} ({receive})")
+        if commit:
+            self._open = []
+        return answers
 
     def collect(self, refs: list[Any], what: str) -> list[Any]:
         """Wait for one call per engine (already launched) within the deadline;

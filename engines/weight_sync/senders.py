@@ -314,8 +314,9 @@ class BroadcastTransfer:
 class CudaIpcSender:
     """For engines on the trainer's own GPU(s): the engines copy the weights
     straight out of the trainer's tensors, opened by CUDA IPC handle (no NCCL:
-    one GPU cannot hold two NCCL ranks). One copy per byte, no buffer, one
-    control call per engine. While the trainer's tensors stay where they are
+    one GPU cannot hold two NCCL ranks). One copy per byte, no buffer; one
+    control call per sync for one engine, two per engine for more (begin
+    with the copy, then commit on all). While the trainer's tensors stay where they are
     (parameters updated in place), the engines keep them mapped and later
     syncs send no handles at all. With `wake_up`, engines put to sleep during
     training get their weights back first and their KV cache after.
@@ -374,39 +375,40 @@ class CudaIpcSender:
         layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
         coordinator = Coordinator(self.engines, self.config)
         phases = Phases()
-        # Engines put to sleep during training get their weights back first,
-        # inside begin (no call of its own), and their KV cache in finish.
-        begun = coordinator.begin(version, manifest, wake=["weights"] if self.wake_up else None)
-        phases.engines_reported(begun, "pause_s", "prepare_s")
-        phases.done("begin")
         held, self._held = self._held, None
-        try:
-            # The engines read the tensors themselves: the trainer's last
-            # writes must have landed.
-            torch.cuda.synchronize(weights[0][1].device)
-            if held is not None and held[0] == layout:
-                mapping, shared, keep = held[1], None, True
-            else:
-                # Tensors seen at the same places twice in a row are the
-                # trainer's own (not temporaries): the engines keep those
-                # mapped. Keeping temporaries would pin a copy of the model in
-                # the trainer's memory.
-                mapping, shared = uuid.uuid4().hex, self._share(weights)
-                keep = layout == self._last_layout
-            self._last_layout = layout
-            refs = [e.receive_shared_weights.remote(mapping, shared, keep) for e in self.engines]
-            received = coordinator.collect(refs, f"receive version {version} (CUDA IPC)")
-            phases.engines_reported(received, "open_s", "load_s")
-        except Exception as exc:
-            coordinator.abort(f"CUDA IPC transfer failed: {exc}")  # no-op if collect did
-            raise
+        # The engines read the tensors themselves: the trainer's last writes
+        # must have landed.
+        torch.cuda.synchronize(weights[0][1].device)
+        if held is not None and held[0] == layout:
+            mapping, shared, keep = held[1], None, True
+        else:
+            # Tensors seen at the same places twice in a row are the trainer's
+            # own (not temporaries): the engines keep those mapped. Keeping
+            # temporaries would pin a copy of the model in the trainer's memory.
+            mapping, shared = uuid.uuid4().hex, self._share(weights)
+            keep = layout == self._last_layout
+        self._last_layout = layout
+        # Begin rides on the transfer call (the engines need nothing from the
+        # trainer in between); one engine also commits in it. Engines put to
+        # sleep during training get their weights back first and their KV
+        # cache last.
+        received = coordinator.begin_and_receive(
+            version,
+            manifest,
+            "receive_shared_weights",
+            (mapping, shared, keep),
+            wake=["weights"] if self.wake_up else None,
+            wake_after=["kv_cache"] if self.wake_up else None,
+        )
+        phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s")
         if keep:
             self._held = (layout, mapping)
         else:
             torch.cuda.ipc_collect()  # free what the engines have let go
         phases.done("transfer")
-        coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
-        phases.done("finish")
+        if not received[0]["committed"]:
+            coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
+            phases.done("finish")
         return SyncReport(
             version,
             self.transport,
@@ -435,16 +437,21 @@ def sync_from_checkpoint(
             raise WeightSyncError(f"{path} stores no weight version; pass version=")
     coordinator = Coordinator(engines, config)
     phases = Phases()
-    phases.engines_reported(coordinator.begin(version, manifest), "pause_s", "prepare_s")
-    phases.done("begin")
-    refs = [e.load_weights_from_path.remote(str(path), config.verify) for e in engines]
-    received = coordinator.collect(refs, f"load {path}")
+    received = coordinator.begin_and_receive(
+        version,
+        manifest,
+        "load_weights_from_path",
+        (str(path), config.verify),
+        verified=config.verify,
+    )
+    phases.engines_reported(received, "pause_s", "call_s")
     phases.done("transfer")
     if config.verify:
         coordinator.check_received(version, checksums(checkpoint.iter_tensors(path)), received)
         phases.done("verify")
-    coordinator.finish(version)
-    phases.done("finish")
+    if not received[0]["committed"]:
+        coordinator.finish(version)
+        phases.done("finish")
     return SyncReport(
         version,
         "checkpoint",

@@ -269,3 +269,59 @@ def test_abort_during_a_receive_waits_for_it(new_weights, on_failure):
     else:
         assert not aborted["restored"] and engine.stale
     assert (engine.weight_version, engine.paused) == (0, False)
+
+
+def test_begin_and_receive_with_commit_serves_the_new_version_in_one_call(engine, new_weights):
+    path, expected = new_weights
+    manifest = checkpoint.read_manifest(path).model_dump(mode="json")
+    answer = run(
+        engine.begin_and_receive(1, manifest, "load_weights_from_path", [path, False], commit=True)
+    )
+    assert answer["committed"] and answer["bytes"] == sum(
+        t.numel() * t.element_size() for t in expected.values()
+    )
+    assert_state(engine.worker.model, expected)
+    assert (engine.weight_version, engine.stale, engine.paused) == (1, False, False)
+    assert engine._weight_session is None
+
+
+def test_begin_and_receive_without_commit_leaves_the_sync_open(engine, new_weights):
+    path, expected = new_weights
+
+    async def sync():
+        answer = await engine.begin_and_receive(1, None, "load_weights_from_path", [path])
+        # Loaded but not served: the trainer checks, then finishes.
+        assert not answer["committed"] and engine.paused and engine.weight_version == 0
+        return await engine.finish_weight_sync(1, checksums(expected.items()))
+
+    assert run(sync())["verified"]
+    assert (engine.weight_version, engine.stale, engine.paused) == (1, False, False)
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_begin_and_receive_failing_part_way_restores_and_closes_the_sync(
+    engine, new_weights, tmp_path, commit
+):
+    before = state(engine.worker.model)
+    bad = partial_checkpoint(tmp_path, new_weights)
+    with pytest.raises(WeightSyncError, match="zzz.not_in_model"):
+        run(
+            engine.begin_and_receive(
+                1, None, "load_weights_from_path", [bad], commit=commit, on_failure="restore"
+            )
+        )
+    assert_state(engine.worker.model, before)
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
+    assert engine._weight_session is None
+
+
+def test_begin_and_receive_refusing_its_arguments_leaves_nothing_open(engine):
+    # Named receive not allowed: refused before the sync opens.
+    with pytest.raises(WeightSyncError, match="'receive_weight_buckets'"):
+        run(engine.begin_and_receive(1, None, "receive_weight_buckets", [{}]))
+    # The receive refuses its arguments after begin (handles that are not
+    # bytes): the sync it opened is closed again, the engine resumed.
+    with pytest.raises(WeightSyncError, match="must be bytes"):
+        run(engine.begin_and_receive(1, None, "receive_shared_weights", ["m", 123, False]))
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
+    assert engine._weight_session is None

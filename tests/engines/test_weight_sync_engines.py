@@ -267,6 +267,22 @@ def test_checkpoint_transport(setup, tmp_path):
     assert [h["weight_version"] for h in health(engines)] == [version] * 2
 
 
+def test_one_engine_with_nothing_to_verify_syncs_in_one_call(setup, tmp_path):
+    engines, policy = setup
+    version = get(policy.perturb.remote(0.01, 5), 30)
+    path = get(policy.save_checkpoint.remote(str(tmp_path / "ckpt")), 60)
+    config = SyncConfig(timeout_s=30, verify=False)
+    # One engine: begin, load and commit in one call (no finish phase).
+    report = sync_from_checkpoint(engines[:1], path, config=config)
+    assert set(report.phases) == {"transfer"}
+    assert [h["weight_version"] for h in health(engines)] == [version, version - 1]
+    # Two engines: the commit waits until both have loaded (a second call).
+    report = sync_from_checkpoint(engines, path, config=config)
+    assert set(report.phases) == {"transfer", "finish"}
+    assert [h["weight_version"] for h in health(engines)] == [version] * 2
+    assert_weights(engines, policy_weights(policy))
+
+
 class FlipsAByte:
     """The trainer's weight group, flipping one byte of the second bucket on
     its way out: a transfer that arrives corrupted."""
