@@ -150,13 +150,16 @@ class SyncPeer:
             best = min(best, time.perf_counter() - start)
         return best
 
-    def engine_call_ms(self, engines: list, calls: int = 50) -> float:
+    def engine_call_ms(self, engines: list, calls: int = 50, gap_s: float = 0.0) -> float:
         """Median round trip of a no-op engine call (`weight_status`) from
-        this trainer: what each of a sync's control calls costs at least."""
+        this trainer: what each of a sync's control calls costs at least.
+        With `gap_s`, both sides sit idle that long before each call, as they
+        do between a sync's calls while the GPU copies."""
         import ray
 
         times = []
         for _ in range(calls):
+            time.sleep(gap_s)
             start = time.perf_counter()
             ray.get(engines[0].weight_status.remote(), timeout=TIMEOUT_S)
             times.append(time.perf_counter() - start)
@@ -246,6 +249,9 @@ def bench_size(ray, name: str, model_dir: Path, syncs: int, two_gpus: bool) -> d
             engines[0].collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S
         )
         figures["engine_call_ms"] = ray.get(near.engine_call_ms.remote(engines), timeout=TIMEOUT_S)
+        figures["engine_call_after_idle_ms"] = ray.get(
+            near.engine_call_ms.remote(engines, gap_s=0.01), timeout=TIMEOUT_S
+        )
         copy = near.device_copy_seconds.remote(nbytes)
         figures["ipc"]["raw_s"] = ray.get(copy, timeout=TIMEOUT_S)
         figures["checksum_s_per_gib"] = ray.get(near.checksum_seconds.remote(), timeout=TIMEOUT_S)
@@ -307,7 +313,10 @@ def print_table(results: dict) -> None:
         print(f"  {size}: engine ready in {figures['engine_ready_s']:.1f}s")
         print(f"  {size}: copy plan {figures['copy_plan']}")
         print(f"  {size}: checksum of 1 GiB {figures['checksum_s_per_gib'] * 1e3:.2f} ms")
-        print(f"  {size}: a no-op engine call from the trainer {figures['engine_call_ms']:.2f} ms")
+        print(
+            f"  {size}: a no-op engine call from the trainer {figures['engine_call_ms']:.2f} ms "
+            f"back to back, {figures['engine_call_after_idle_ms']:.2f} ms after 10 ms idle"
+        )
 
 
 def weight_sync(sizes: list[str], syncs: int, root: Path) -> dict:

@@ -5,9 +5,11 @@ tensor-parallel engine spread over two GPUs by vLLM's Ray executor."""
 from __future__ import annotations
 
 import pytest
-from gpu_helpers import assert_logprob_parity, wait_gpus_released, wait_ready
+from gpu_helpers import MODEL_SHAPE, assert_logprob_parity, wait_gpus_released, wait_ready
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
+from engines.tiny_model import build_tiny_model
+from engines.weight_sync import SyncConfig, sync_from_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +55,7 @@ def test_two_engines_share_one_gpu_through_shared_pg(
 
 
 def test_tensor_parallel_engine_through_vllm_ray_executor(
-    ray_gpu, gpu_model, gpu_count, hf_reference, gpu_baseline
+    ray_gpu, gpu_model, gpu_count, hf_reference, gpu_baseline, tmp_path
 ):
     if gpu_count < 2:
         pytest.skip("TP=2 needs two GPUs of one host")
@@ -78,6 +80,26 @@ def test_tensor_parallel_engine_through_vllm_ray_executor(
         assert len(output.outputs[0].token_ids) == 32
         assert_logprob_parity(hf_reference, PROMPT, output.outputs[0])
         assert ray.get(engines[0].reset_prefix_cache.remote(), timeout=TIMEOUT_S) is True
+
+        # A weight sync into both TP ranks: each worker loads its shard of new
+        # weights (a checkpoint: both GPUs are the engine's). The first sync
+        # records the copies, TP narrowing included; the second replays them.
+        for version in (1, 2):
+            path = build_tiny_model(tmp_path / f"v{version}", seed=version, **MODEL_SHAPE)
+            report = sync_from_checkpoint(engines, str(path), version, SyncConfig(timeout_s=120))
+            print(f"TP=2 sync v{version}: {report.as_dict()}")
+            assert report.verified
+        plans = ray.get(engines[0].collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S)
+        print(f"TP=2 copy plans: {plans}")
+        assert all(plan["copies"] > 0 and plan["refused"] is None for plan in plans), plans
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        synced = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        synced = synced.to(hf_reference.device).eval()
+        (output,) = ray.get(engines[0].generate.remote(PROMPT, GREEDY), timeout=TIMEOUT_S)
+        assert output.weight_version == 2
+        assert_logprob_parity(synced, PROMPT, output.outputs[0])
     finally:
         destroy_engines(engines)
         wait_gpus_released(gpu_baseline)
