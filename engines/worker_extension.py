@@ -106,13 +106,14 @@ class WeightSyncWorkerExtension:
         )
 
     # --- loading --------------------------------------------------------------------
-    def _load_weights(self, weights: list[tuple[str, Any]]) -> None:
-        # Loaded once through the model's loader, then replayed as copies.
+    def _load_weights(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
+        # Loaded once through the model's loader, then replayed as copies
+        # (`repeat`: the same tensors come again, see CopyPlan.load).
         if self._copy_plan is None:
             from engines.weight_sync.copy_plan import CopyPlan
 
             self._copy_plan = CopyPlan(self._model(), self._model_loader())
-        self._copy_plan.load(weights)
+        self._copy_plan.load(weights, repeat=repeat)
 
     def _model_loader(self):
         model = self._model()
@@ -134,6 +135,8 @@ class WeightSyncWorkerExtension:
         return {
             "copies": plan.size if plan is not None else 0,
             "refused": plan.refused if plan is not None else None,
+            "graph": plan is not None and plan.captured,
+            "graph_error": plan.graph_error if plan is not None else None,
         }
 
     def _record_wire(self, weights: list[tuple[str, Any]]) -> None:
@@ -385,7 +388,7 @@ class WeightSyncWorkerExtension:
             if problems:
                 return {"bytes": 0, "problems": problems}
         opened = time.monotonic()
-        self._load_weights(weights)
+        self._load_weights(weights, repeat=keep)
         # The trainer writes these tensors again once we return.
         torch.cuda.synchronize(self.device)
         self._shared_weights = (mapping, weights) if keep else None

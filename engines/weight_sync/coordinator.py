@@ -140,7 +140,7 @@ class Coordinator:
     ) -> list[dict]:
         """Open the sync on every engine (each checks the manifest before it
         pauses, then wakes `wake`); returns their answers, or aborts all and raises."""
-        payload = manifest.model_dump(mode="json") if manifest is not None else None
+        payload = manifest.plain if manifest is not None else None
         results = self._call(
             "begin_weight_sync",
             version,
@@ -176,7 +176,7 @@ class Coordinator:
         phase. Otherwise `finish` (or `abort`) follows as usual; each answer
         says which (`committed`). Any failure aborts every engine and raises."""
         commit = len(self.engines) == 1 and not verified
-        payload = manifest.model_dump(mode="json") if manifest is not None else None
+        payload = manifest.plain if manifest is not None else None
         self._open = list(range(len(self.engines)))
         refs = [
             engine.begin_and_receive.remote(

@@ -12,6 +12,11 @@ A loader that does anything else with an incoming tensor (arithmetic, a
 concatenation, `.item()`, an in-place op, a copy into a temporary) cannot be
 replayed as copies: recording refuses it, and that model keeps going through
 its own loader on every sync.
+
+When the very same incoming tensors will be loaded again (a colocated
+trainer's parameters, kept mapped between CUDA IPC syncs), the copies are
+captured once as a CUDA graph: later loads are one launch instead of one per
+copy (at 0.28B, 219 launches took 3.3 ms for 0.3 ms of copying).
 """
 
 from __future__ import annotations
@@ -90,8 +95,14 @@ class CopyPlan:
         # name -> (the incoming tensor's layout, its copies)
         self._copies: dict[str, tuple[tuple, list[_Copy]]] = {}
         self.refused: str | None = None  # why this model's loader cannot be replayed
+        # (the incoming tensors' names, addresses and layouts, their copies
+        # captured as a CUDA graph)
+        self._graph: tuple[tuple, Any] | None = None
+        self.graph_error: str | None = None  # why capturing failed (then never again)
 
-    def load(self, weights: list[tuple[str, Any]]) -> None:
+    def load(self, weights: list[tuple[str, Any]], *, repeat: bool = False) -> None:
+        """Load `weights`; `repeat`: these same tensors (same memory) will be
+        loaded again, so their copies are worth capturing as a CUDA graph."""
         with torch.no_grad():
             planned = [self._planned(name, tensor) for name, tensor in weights]
             if any(copies is None for copies in planned):
@@ -99,9 +110,50 @@ class CopyPlan:
                 # place from two tensors, and the later one must win.
                 self._record(weights)
                 return
-            for (_, tensor), copies in zip(weights, planned, strict=True):
-                for copy in copies:
-                    copy.dst.copy_(copy.source(tensor), non_blocking=True)
+            # A graph copies between fixed addresses: it is these copies
+            # exactly while the sources sit where they sat (the destinations
+            # were checked by _planned).
+            key = tuple((name, t.data_ptr(), _layout(t)) for name, t in weights)
+            if self._graph is not None and self._graph[0] == key:
+                self._graph[1].replay()
+                return
+            if repeat and weights[0][1].is_cuda and self.graph_error is None:
+                graph = self._capture(weights, planned)
+                if graph is not None:
+                    self._graph = (key, graph)
+                    graph.replay()
+                    return
+            self._copy(weights, planned)
+
+    @staticmethod
+    def _copy(weights: list[tuple[str, Any]], planned: list[list[_Copy]]) -> None:
+        for (_, tensor), copies in zip(weights, planned, strict=True):
+            for copy in copies:
+                copy.dst.copy_(copy.source(tensor), non_blocking=True)
+
+    def _capture(self, weights: list[tuple[str, Any]], planned: list[list[_Copy]]) -> Any:
+        """The copies as a CUDA graph (not run), or None if capture fails."""
+        device = weights[0][1].device
+        graph = torch.cuda.CUDAGraph()
+        # Captured on a side stream (a graph cannot be captured on the
+        # default stream); thread-local, so other threads' CUDA calls do not
+        # break the capture.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._copy(weights, planned)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            self.graph_error = str(exc)
+            logger.warning("capturing weight copies as a CUDA graph failed: %s", exc)
+            return None
+        finally:
+            torch.cuda.current_stream(device).wait_stream(stream)
+        return graph
 
     def _planned(self, name: str, tensor: Any) -> list[_Copy] | None:
         """The copies recorded for this tensor, if they still apply."""
@@ -111,6 +163,7 @@ class CopyPlan:
         return copies
 
     def _record(self, weights: list[tuple[str, Any]]) -> None:
+        self._graph = None  # its copies may be the ones being replaced
         if self.refused is not None:
             self.loader(weights)
             return
@@ -128,6 +181,11 @@ class CopyPlan:
             return
         for name, tensor in weights:
             self._copies[name] = (_layout(tensor), recorder.copies[name])
+
+    @property
+    def captured(self) -> bool:
+        """Loads of the tensors loaded last with `repeat` replay a CUDA graph."""
+        return self._graph is not None
 
     @property
     def size(self) -> int:

@@ -105,6 +105,20 @@ def test_replays_the_loaders_copies_without_calling_it():
     assert_same_params(model, loaded_by_loader(hf_weights(1)))
 
 
+def test_repeated_tensors_on_cpu_are_copied_without_a_graph():
+    # CUDA graphs are for CUDA tensors; on CPU `repeat` changes nothing.
+    model = FusedModel().to(torch.bfloat16)
+    plan = CopyPlan(model, VllmLikeLoader(model))
+    weights = hf_weights(0)
+    plan.load(weights, repeat=True)
+    with torch.no_grad():
+        for _, tensor in weights:
+            tensor.add_(1.0)
+    plan.load(weights, repeat=True)
+    assert not plan.captured and plan.graph_error is None
+    assert_same_params(model, loaded_by_loader(weights))
+
+
 def test_a_loader_that_computes_is_refused_and_keeps_loading_right():
     model = FusedModel().to(torch.bfloat16)
     loader = VllmLikeLoader(model, scale=2.0)

@@ -115,6 +115,11 @@ def test_cuda_ipc_sync_into_a_sleeping_colocated_engine(ray_gpu, gpu_model, gpu_
             ray.get(engine.sleep.remote(level=1), timeout=TIMEOUT_S)
             report = sync_and_check(ray, engine, policy, before, seed, scale)
             assert report["transport"] == "cuda_ipc"
+            # The trainer's parameters stay put: from the second sync on the
+            # engine keeps them mapped and its copies run as one CUDA graph
+            # (captured in sync 2, replayed in sync 3; the parity above checks it).
+            (plan,) = ray.get(engine.collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S)
+            assert plan["graph"] == (seed >= 2) and plan["graph_error"] is None, plan
             assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["sleeping"] == []
             before = engine_logprobs(ray, engine)
     finally:
