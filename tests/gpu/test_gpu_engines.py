@@ -157,7 +157,12 @@ def test_pause_waits_for_work_in_flight_and_queues_new_work(ray_gpu, engines):
     engine = engines[0]
     long = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
     running = engine.generate.remote([7, 8, 9], long)
-    time.sleep(0.5)
+    # Pause once the request is inside vLLM (a fixed sleep raced with a busy
+    # host: a request not yet let in when the pause comes waits instead).
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ray.get(engine.get_num_unfinished_requests.remote(), timeout=TIMEOUT_S):
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
     ray.get(engine.pause_generation.remote(), timeout=TIMEOUT_S)
     # The request in flight ran to completion, not aborted.
     (output,) = ray.get(running, timeout=5)
