@@ -316,9 +316,10 @@ class CudaIpcSender:
     straight out of the trainer's tensors, opened by CUDA IPC handle (no NCCL:
     one GPU cannot hold two NCCL ranks). One copy per byte, no buffer; one
     control call per sync for one engine, two per engine for more (begin
-    with the copy, then commit on all). While the trainer's tensors stay where they are
-    (parameters updated in place), the engines keep them mapped and later
-    syncs send no handles at all. With `wake_up`, engines put to sleep during
+    with the copy, then commit on all). While the trainer's tensors stay
+    where they are (parameters updated in place), the engines keep them
+    mapped, later syncs send no handles at all, and the engines replay their
+    copies as one CUDA graph. With `wake_up`, engines put to sleep during
     training get their weights back first and their KV cache after.
 
     There is no copy in transit to verify (the engines read the trainer's own
