@@ -132,11 +132,13 @@ class WeightSyncWorkerExtension:
     def copy_plan_status(self) -> dict:
         """Whether loads replay recorded copies (and how many), or why not."""
         plan = self._copy_plan
+        if plan is None:
+            return {"copies": 0, "refused": None, "graph": False, "graph_error": None}
         return {
-            "copies": plan.size if plan is not None else 0,
-            "refused": plan.refused if plan is not None else None,
-            "graph": plan is not None and plan.captured,
-            "graph_error": plan.graph_error if plan is not None else None,
+            "copies": plan.size,
+            "refused": plan.refused,
+            "graph": plan.captured,
+            "graph_error": plan.graph_error,
         }
 
     def _record_wire(self, weights: list[tuple[str, Any]]) -> None:
@@ -164,7 +166,7 @@ class WeightSyncWorkerExtension:
                 name: t.detach().to("cpu", copy=True)
                 for name, t in self._model().state_dict(keep_vars=True).items()
             }
-        nbytes = sum(t.numel() * t.element_size() for t in (self._weight_backup or {}).values())
+        nbytes = sum(nbytes_of(t) for t in (self._weight_backup or {}).values())
         return {
             "backup_bytes": nbytes,
             "seconds": time.monotonic() - started,
@@ -433,7 +435,7 @@ class WeightSyncWorkerExtension:
             if verify:
                 self._record_wire([(name, weight)])
             self._load_weights([(name, weight)])
-            nbytes += tensor.numel() * tensor.element_size()
+            nbytes += nbytes_of(tensor)
         self._empty_cache()
         return self._with_checksums(
             {"bytes": nbytes, "seconds": time.monotonic() - started}, verify

@@ -111,6 +111,9 @@ class CopyPlan:
                 # place from two tensors, and the later one must win.
                 self._record(weights)
                 return
+            if self._graph is None and not repeat:
+                self._copy(weights, planned)  # the common case (buckets): no key needed
+                return
             # A graph copies between fixed addresses: it is these copies
             # exactly while the sources sit where they sat (the destinations
             # were checked by _planned).
