@@ -325,15 +325,24 @@ class WeightUpdateAPI:
         )
         return with_worker_checksums(results)
 
-    async def receive_shared_weights(self, mapping: str, shared: bytes | None, keep: bool) -> dict:
+    async def receive_shared_weights(
+        self, mapping: str, shared: bytes | None, keep: bool, signal: bool = False
+    ) -> dict:
         """Load the colocated trainer's weights straight from its GPU memory
         (CUDA IPC). `shared` carries the tensors' handles (`CudaIpcSender`),
         or is None to reuse the tensors of `mapping` that the workers kept
-        from the last sync (`keep`)."""
+        from the last sync (`keep`). With `signal` (and `keep`) the workers
+        answer before their copies finish: `copies_done` lists one CUDA
+        event handle per worker for the trainer to wait on."""
         if shared is not None and not isinstance(shared, bytes):
             raise WeightSyncError(f"engine {self.config.name}: shared handles must be bytes")
-        results = await self._in_session("receive_shared_weights", str(mapping), shared, bool(keep))
-        return results[0]
+        results = await self._in_session(
+            "receive_shared_weights", str(mapping), shared, bool(keep), bool(signal)
+        )
+        answer = {k: v for k, v in results[0].items() if k != "copies_done"}
+        if signal and keep:
+            answer["copies_done"] = [r["copies_done"] for r in results]
+        return answer
 
     async def begin_and_receive(
         self,

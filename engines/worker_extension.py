@@ -41,6 +41,7 @@ class WeightSyncWorkerExtension:
     # (mapping id, [(name, tensor)]): a colocated trainer's tensors, kept
     # mapped between CUDA IPC syncs while the trainer's layout is unchanged.
     _shared_weights: tuple[str, list[tuple[str, Any]]] | None = None
+    _copy_event: Any = None  # recorded after the copies from kept shared weights
     _expected: Manifest | None = None
     _copy_plan: Any = None  # CopyPlan, made on the first load
     _bucket_plan: tuple[dict, BucketPlan] | None = None  # (as sent, validated)
@@ -369,11 +370,16 @@ class WeightSyncWorkerExtension:
             self._empty_cache()
         return {"bytes": spec.nbytes, "problems": []}
 
-    def receive_shared_weights(self, mapping: str, shared: bytes | None, keep: bool) -> dict:
+    def receive_shared_weights(
+        self, mapping: str, shared: bytes | None, keep: bool, signal: bool = False
+    ) -> dict:
         """Load a colocated trainer's tensors straight from its memory: one
         copy, no buffer. `shared`: the pickled `{"params": [[name, dtype,
         shape], ...], "handles": [per-tensor handles]}` of `CudaIpcSender`, or
-        None to reuse the tensors kept under `mapping` by the last sync."""
+        None to reuse the tensors kept under `mapping` by the last sync.
+        `signal` (with `keep`): answer once the copies are queued, with the
+        handle of a CUDA event recorded after them (`copies_done`), for the
+        trainer to wait on; otherwise answer once they are done."""
         import torch
 
         started = time.monotonic()
@@ -391,16 +397,26 @@ class WeightSyncWorkerExtension:
                 return {"bytes": 0, "problems": problems}
         opened = time.monotonic()
         self._load_weights(weights, repeat=keep)
-        # The trainer writes these tensors again once we return.
-        torch.cuda.synchronize(self.device)
-        self._shared_weights = (mapping, weights) if keep else None
-        return {
+        answer = {
             "bytes": sum(nbytes_of(t) for _, t in weights),
             "problems": [],
             "holds_sync_state": False,  # nothing for end_weight_sync to drop
             "open_s": opened - started,
-            "load_s": time.monotonic() - opened,
         }
+        if signal and keep:
+            # Forward passes run on this thread's stream too, after the copies
+            # queued here, so no request can read a half-copied weight. The
+            # tensors stay mapped (`keep`) while the GPU still reads them.
+            if self._copy_event is None:
+                self._copy_event = cuda_ipc.copy_event()
+            self._copy_event.record()
+            answer["copies_done"] = bytes(self._copy_event.ipc_handle())
+        else:
+            # The trainer writes these tensors again (or frees them) once we return.
+            torch.cuda.synchronize(self.device)
+        self._shared_weights = (mapping, weights) if keep else None
+        answer["load_s"] = time.monotonic() - opened
+        return answer
 
     def _open_shared(self, shared: dict) -> tuple[list[tuple[str, Any]], list[str]]:
         specs = Manifest(

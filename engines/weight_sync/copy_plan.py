@@ -23,7 +23,7 @@ copying; at 7B the copying itself is most of it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,36 +96,29 @@ class CopyPlan:
         # name -> (the incoming tensor's layout, its copies)
         self._copies: dict[str, tuple[tuple, list[_Copy]]] = {}
         self.refused: str | None = None  # why this model's loader cannot be replayed
-        # (the incoming tensors' names, addresses and layouts, their copies
-        # captured as a CUDA graph)
-        self._graph: tuple[tuple, Any] | None = None
+        self._graph: _Graph | None = None
         self.graph_error: str | None = None  # why capturing failed (then never again)
 
     def load(self, weights: list[tuple[str, Any]], *, repeat: bool = False) -> None:
         """Load `weights`; `repeat`: these same tensors (same memory) will be
         loaded again, so their copies are worth capturing as a CUDA graph."""
         with torch.no_grad():
+            # The common case (buckets) needs no key: no graph, none wanted.
+            key = _key(weights) if repeat or self._graph is not None else None
+            if self._graph is not None and self._graph.applies(key):
+                # One check for the whole graph, not one per tensor's copies.
+                self._graph.graph.replay()
+                return
             planned = [self._planned(name, tensor) for name, tensor in weights]
             if any(copies is None for copies in planned):
                 # All through the loader, in order: a loader may write one
                 # place from two tensors, and the later one must win.
                 self._record(weights)
                 return
-            if self._graph is None and not repeat:
-                self._copy(weights, planned)  # the common case (buckets): no key needed
-                return
-            # A graph copies between fixed addresses: it is these copies
-            # exactly while the sources sit where they sat (the destinations
-            # were checked by _planned).
-            key = tuple((name, t.data_ptr(), _layout(t)) for name, t in weights)
-            if self._graph is not None and self._graph[0] == key:
-                self._graph[1].replay()
-                return
             if repeat and weights[0][1].is_cuda and self.graph_error is None:
-                graph = self._capture(weights, planned)
-                if graph is not None:
-                    self._graph = (key, graph)
-                    graph.replay()
+                self._graph = self._capture(key, weights, planned)
+                if self._graph is not None:
+                    self._graph.graph.replay()
                     return
             self._copy(weights, planned)
 
@@ -135,7 +128,9 @@ class CopyPlan:
             for copy in copies:
                 copy.dst.copy_(copy.source(tensor), non_blocking=True)
 
-    def _capture(self, weights: list[tuple[str, Any]], planned: list[list[_Copy]]) -> Any:
+    def _capture(
+        self, key: tuple, weights: list[tuple[str, Any]], planned: list[list[_Copy]]
+    ) -> _Graph | None:
         """The copies as a CUDA graph (not run), or None if capture fails."""
         device = weights[0][1].device
         graph = torch.cuda.CUDAGraph()
@@ -157,7 +152,8 @@ class CopyPlan:
             return None
         finally:
             torch.cuda.current_stream(device).wait_stream(stream)
-        return graph
+        params = {id(c.param): (c.param, c.data_ptr) for copies in planned for c in copies}
+        return _Graph(key, tuple(params.values()), graph)
 
     def _planned(self, name: str, tensor: Any) -> list[_Copy] | None:
         """The copies recorded for this tensor, if they still apply."""
@@ -200,7 +196,35 @@ class CopyPlan:
 def _in_place(copies: list[_Copy]) -> bool:
     # A parameter given new memory since the recording (e.g. `param.data =
     # ...`) would leave the recorded views on the old memory.
-    return all(c.param.data_ptr() == c.data_ptr for c in copies)
+    return _unmoved((c.param, c.data_ptr) for c in copies)
+
+
+def _unmoved(params: Iterable[tuple[Any, int]]) -> bool:
+    """Every parameter still at the address recorded for it."""
+    # vLLM's parameters are tensor subclasses with a Python __torch_function__,
+    # which each data_ptr() would run through (over 20x the cost).
+    with torch._C.DisableTorchFunctionSubclass():
+        return all(param.data_ptr() == address for param, address in params)
+
+
+def _key(weights: list[tuple[str, Any]]) -> tuple:
+    """The incoming tensors' names, addresses and layouts: what a CUDA graph
+    of their copies depends on."""
+    return tuple((name, t.data_ptr(), _layout(t)) for name, t in weights)
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """Copies captured as one CUDA graph: between fixed addresses, so they are
+    these copies exactly while the incoming tensors (`key`) and the
+    destination parameters (`params`, with their addresses) sit where they sat."""
+
+    key: tuple
+    params: tuple[tuple[Any, int], ...]
+    graph: Any
+
+    def applies(self, key: tuple) -> bool:
+        return key == self.key and _unmoved(self.params)
 
 
 class _Recorder(TorchFunctionMode):

@@ -10,11 +10,18 @@ index (argument 6 of the rebuild args, as vLLM's `IPCWeightTransferEngine`
 and OpenRLHF do).
 
 Handles cross vLLM's msgpack hop only as bytes (`dumps` / `loads`).
+
+Completion: a worker that keeps the trainer's tensors mapped records an
+interprocess CUDA event after queueing its copies and answers at once; the
+trainer waits on that event (`CopyEvents`), so the answer's way back (3-4 ms
+through vLLM's engine core and Ray) overlaps the copies instead of following
+them.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any
 
 from engines.weight_sync.errors import WeightTransferError
@@ -85,3 +92,41 @@ def loads(blob: bytes) -> dict[str, tuple]:
     if not isinstance(handles, dict):
         raise WeightTransferError(f"CUDA IPC handles must be a dict, got {type(handles).__name__}")
     return handles
+
+
+def copy_event() -> Any:
+    """A CUDA event other processes can open by its handle (`CopyEvents`)."""
+    import torch
+
+    return torch.cuda.Event(interprocess=True)
+
+
+class CopyEvents:
+    """The trainer's side: the workers' copy events, opened once each, waited on."""
+
+    def __init__(self) -> None:
+        self._opened: dict[bytes, Any] = {}
+
+    def wait(self, handles: list[bytes], device: Any, timeout_s: float) -> None:
+        """Return once every event has completed; WeightTransferError after `timeout_s`."""
+        import torch
+
+        deadline = time.monotonic() + timeout_s
+        for handle in handles:
+            event = self._opened.get(handle)
+            if event is None:
+                event = torch.cuda.Event.from_ipc_handle(device, handle)
+                self._opened[handle] = event
+            # Polled: Event.synchronize() has no deadline, and a worker that
+            # dies mid-copy must not hang the trainer. The poll lasts at most
+            # the copies' few milliseconds.
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise WeightTransferError(
+                        f"the engines' copies of the shared weights did not finish "
+                        f"within {timeout_s:g}s"
+                    )
+                time.sleep(0)
+
+    def clear(self) -> None:
+        self._opened.clear()

@@ -27,7 +27,7 @@ from engines.weight_sync.buckets import (
 from engines.weight_sync.checksum import checksums, device_sums, finish_checksums
 from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport, as_engine_list
-from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.errors import WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import Manifest, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -319,8 +319,10 @@ class CudaIpcSender:
     with the copy, then commit on all). While the trainer's tensors stay
     where they are (parameters updated in place), the engines keep them
     mapped, later syncs send no handles at all, and the engines replay their
-    copies as one CUDA graph. With `wake_up`, engines put to sleep during
-    training get their weights back first and their KV cache after.
+    copies as one CUDA graph; from a one-process trainer they answer as soon
+    as the copies are queued, and the trainer waits on their CUDA events (the
+    answer travels back while the GPU copies). With `wake_up`, engines put to
+    sleep during training get their weights back first and their KV cache after.
 
     There is no copy in transit to verify (the engines read the trainer's own
     memory), so `SyncConfig.verify` does not apply; the report says so."""
@@ -340,6 +342,7 @@ class CudaIpcSender:
         self._last_layout: tuple | None = None  # the layout of the last sync
         self._held: tuple[tuple, str] | None = None  # (layout, mapping) the engines keep
         self._manifests = ManifestCache()
+        self._copy_events = cuda_ipc.CopyEvents()
 
     def init(self, engines: list[Any]) -> None:
         if not engines:
@@ -355,6 +358,7 @@ class CudaIpcSender:
                 if not result.ok:
                     logger.warning("engine %d: release failed: %s", result.engine, result.error)
         self._held = self._last_layout = None
+        self._copy_events.clear()
         self.engines = []
 
     def _share(self, weights: list[tuple[str, Any]]) -> bytes:
@@ -393,20 +397,36 @@ class CudaIpcSender:
         # trainer in between); one engine also commits in it. Engines put to
         # sleep during training get their weights back first and their KV
         # cache last.
+        # One trainer process: every engine worker sits on its GPU, so it can
+        # wait on the workers' copy events itself (cuda_ipc.CopyEvents).
+        signal = self.gather_handles is None
         received = coordinator.begin_and_receive(
             version,
             manifest,
             "receive_shared_weights",
-            (mapping, shared, keep),
+            (mapping, shared, keep, signal),
             wake=["weights"] if self.wake_up else None,
             wake_after=["kv_cache"] if self.wake_up else None,
         )
         phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s")
+        phases.done("transfer")
+        events = [handle for answer in received for handle in answer.get("copies_done", [])]
+        if events:
+            # The engines answered with their copies queued: the sync is done
+            # (and the trainer may write its tensors again) once they have run.
+            try:
+                self._copy_events.wait(events, weights[0][1].device, self.config.timeout_s)
+            except WeightTransferError as exc:
+                # Engines still open go stale (or restore); one that has
+                # committed has a GPU that stopped copying, which its next
+                # request or health check reports.
+                coordinator.abort(str(exc))
+                raise
+            phases.done("copies")
         if keep:
             self._held = (layout, mapping)
         else:
             torch.cuda.ipc_collect()  # free what the engines have let go
-        phases.done("transfer")
         if not received[0]["committed"]:
             coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
             phases.done("finish")

@@ -148,6 +148,33 @@ def test_records_again_when_the_parameter_or_the_layout_changes(change):
     assert_same_params(model, loaded_by_loader(hf_weights(1)))
 
 
+class VllmParameter(torch.nn.Parameter):
+    """Like vLLM's BasevLLMParameter: a subclass with a Python __torch_function__."""
+
+    def __new__(cls, data):
+        return super().__new__(cls, data=data, requires_grad=False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_parameter_subclass_given_new_memory_is_recorded_again():
+    # The plan checks addresses with subclass dispatch off (for speed): the
+    # check must still see a vLLM-style parameter move.
+    model = FusedModel().to(torch.bfloat16)
+    model.qkv = VllmParameter(model.qkv.data)
+    loader = VllmLikeLoader(model)
+    plan = CopyPlan(model, loader)
+    plan.load(hf_weights(0))
+    plan.load(hf_weights(1))
+    assert loader.calls == 1
+    model.qkv.data = torch.zeros_like(model.qkv)
+    plan.load(hf_weights(2))
+    assert loader.calls == 2
+    assert_same_params(model, loaded_by_loader(hf_weights(2)))
+
+
 @pytest.mark.parametrize(
     "misuse",
     [

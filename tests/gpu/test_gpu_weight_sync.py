@@ -120,6 +120,9 @@ def test_cuda_ipc_sync_into_a_sleeping_colocated_engine(ray_gpu, gpu_model, gpu_
             # (captured in sync 2, replayed in sync 3; the parity above checks it).
             (plan,) = ray.get(engine.collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S)
             assert plan["graph"] == (seed >= 2) and plan["graph_error"] is None, plan
+            # Kept tensors: the engine answered with its copies queued, and the
+            # trainer waited on its CUDA event (the parity above reads the result).
+            assert ("copies" in report["phases"]) == (seed >= 2), report["phases"]
             assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["sleeping"] == []
             before = engine_logprobs(ray, engine)
     finally:
