@@ -325,3 +325,34 @@ def test_begin_and_receive_refusing_its_arguments_leaves_nothing_open(engine):
         run(engine.begin_and_receive(1, None, "receive_shared_weights", ["m", 123, False]))
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
     assert engine._weight_session is None
+
+
+class TwoWorkerCopiesEngine(FakeEngine):
+    """Two workers (tensor-parallel ranks) answering a CUDA IPC receive the way
+    the real ones do with `signal`: copies queued, each with its own event."""
+
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
+        assert method == "receive_shared_weights"
+        _mapping, _shared, keep, signal = args
+        answers = [
+            {"bytes": 8, "problems": [], "holds_sync_state": False, "load_s": 0.001}
+            for _ in range(2)
+        ]
+        if keep and signal:
+            for rank, answer in enumerate(answers):
+                answer["copies_done"] = f"event-of-rank-{rank}".encode()
+        return answers
+
+
+@pytest.mark.parametrize(("keep", "signal"), [(True, True), (True, False), (False, True)])
+def test_a_shared_receive_hands_the_trainer_every_workers_copy_event(keep, signal):
+    engine = TwoWorkerCopiesEngine(model(0))
+    answer = run(
+        engine.begin_and_receive(
+            1, None, "receive_shared_weights", ["m", None, keep, signal], commit=True
+        )
+    )
+    # Rank 1's event matters as much as rank 0's: the trainer must wait on both.
+    expected = [b"event-of-rank-0", b"event-of-rank-1"] if keep and signal else None
+    assert answer.get("copies_done") == expected
+    assert answer["committed"] and engine.weight_version == 1
