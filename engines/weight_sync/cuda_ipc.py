@@ -116,12 +116,12 @@ class CopyEvents:
         for handle in handles:
             event = self._opened.get(handle)
             if event is None:
-                event = torch.cuda.Event.from_ipc_handle(device, handle)
+                event = _cuda(torch.cuda.Event.from_ipc_handle, device, handle)
                 self._opened[handle] = event
             # Polled: Event.synchronize() has no deadline, and a worker that
             # dies mid-copy must not hang the trainer. The poll lasts at most
             # the copies' few milliseconds.
-            while not event.query():
+            while not _cuda(event.query):
                 if time.monotonic() > deadline:
                     raise WeightTransferError(
                         f"the engines' copies of the shared weights did not finish "
@@ -131,3 +131,10 @@ class CopyEvents:
 
     def clear(self) -> None:
         self._opened.clear()
+
+
+def _cuda(call: Any, *args: Any) -> Any:
+    try:
+        return call(*args)
+    except RuntimeError as exc:  # CUDA's own: a bad handle, a lost context
+        raise WeightTransferError(f"waiting for an engine's copies failed: {exc}") from exc

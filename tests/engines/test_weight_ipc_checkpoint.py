@@ -1,5 +1,6 @@
 """The CPU-testable parts of CUDA IPC (handle choice, rebuild arguments,
-serialisation) and the safetensors checkpoint layout."""
+serialisation, waiting for the engines' copies) and the safetensors
+checkpoint layout."""
 
 from __future__ import annotations
 
@@ -42,6 +43,40 @@ def test_handles_merge_across_ranks_and_survive_bytes():
 def test_sharing_a_cpu_tensor_is_refused():
     with pytest.raises(ValueError, match="CUDA tensor"):
         cuda_ipc.share(torch.zeros(3))
+
+
+class FakeCopyEvent:
+    """An opened copy event: done after `pending` queries, or CUDA failing."""
+
+    def __init__(self, pending: int = 0, fails: bool = False):
+        self.pending, self.fails = pending, fails
+
+    def query(self) -> bool:
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.pending -= 1
+        return self.pending < 0
+
+
+def copy_events(**opened: FakeCopyEvent) -> cuda_ipc.CopyEvents:
+    events = cuda_ipc.CopyEvents()
+    # Stands in for events opened by handle (that needs CUDA).
+    events._opened.update({name.encode(): event for name, event in opened.items()})
+    return events
+
+
+def test_the_trainer_waits_for_every_engines_copies():
+    slow, fast = FakeCopyEvent(pending=3), FakeCopyEvent()
+    copy_events(slow=slow, fast=fast).wait([b"slow", b"fast"], None, timeout_s=5)
+    assert slow.pending < 0 and fast.pending < 0
+
+
+def test_waiting_for_copies_has_a_deadline_and_a_typed_error():
+    events = copy_events(stuck=FakeCopyEvent(pending=10**9), lost=FakeCopyEvent(fails=True))
+    with pytest.raises(WeightTransferError, match="did not finish within 0.05s"):
+        events.wait([b"stuck"], None, timeout_s=0.05)
+    with pytest.raises(WeightTransferError, match="copies failed: CUDA error"):
+        events.wait([b"lost"], None, timeout_s=5)
 
 
 def weights():
