@@ -52,12 +52,13 @@ def raise_problems(engine: str, problems: list[str]) -> None:
         raise ManifestMismatchError(f"engine {engine}: weight manifest mismatch: {shown}{more}")
 
 
-def with_worker_checksums(results: list[dict]) -> dict:
-    """Rank 0's answer to a receive, with every worker's checksums (each
-    worker receives every byte, so each is checked)."""
+def with_every_worker(results: list[dict], field: str) -> dict:
+    """Rank 0's answer to a receive, with `field` (when the workers return
+    it) as the list of every worker's: each worker's checksums are checked
+    (each receives every byte), each worker's copy event is waited on."""
     answer = dict(results[0])
-    if "checksums" in answer:
-        answer["checksums"] = [r["checksums"] for r in results]
+    if field in answer:
+        answer[field] = [r[field] for r in results]
     return answer
 
 
@@ -323,7 +324,7 @@ class WeightUpdateAPI:
         results = await self._in_session(
             "receive_weight_buckets", plan, bool(verify), timeout_s=timeout
         )
-        return with_worker_checksums(results)
+        return with_every_worker(results, "checksums")
 
     async def receive_shared_weights(
         self, mapping: str, shared: bytes | None, keep: bool, signal: bool = False
@@ -339,10 +340,7 @@ class WeightUpdateAPI:
         results = await self._in_session(
             "receive_shared_weights", str(mapping), shared, bool(keep), bool(signal)
         )
-        answer = {k: v for k, v in results[0].items() if k != "copies_done"}
-        if signal and keep:
-            answer["copies_done"] = [r["copies_done"] for r in results]
-        return answer
+        return with_every_worker(results, "copies_done")
 
     async def begin_and_receive(
         self,
@@ -393,8 +391,8 @@ class WeightUpdateAPI:
 
     async def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
         """Load a safetensors checkpoint directory (HF layout) into the open sync."""
-        return with_worker_checksums(
-            await self._in_session("load_weights_from_path", str(path), bool(verify))
+        return with_every_worker(
+            await self._in_session("load_weights_from_path", str(path), bool(verify)), "checksums"
         )
 
     async def verify_weight_sync(self, version: int, checksums: dict[str, str]) -> dict:

@@ -396,9 +396,8 @@ class CudaIpcSender:
         # Begin rides on the transfer call (the engines need nothing from the
         # trainer in between); one engine also commits in it. Engines put to
         # sleep during training get their weights back first and their KV
-        # cache last.
-        # One trainer process: every engine worker sits on its GPU, so it can
-        # wait on the workers' copy events itself (cuda_ipc.CopyEvents).
+        # cache last. A one-process trainer shares every engine worker's GPU,
+        # so it can wait on the workers' copy events itself (`signal`).
         signal = self.gather_handles is None
         received = coordinator.begin_and_receive(
             version,
