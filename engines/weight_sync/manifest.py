@@ -118,6 +118,30 @@ class Manifest(BaseModel):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+#: Parameters with one row per token (input embeddings, output head).
+VOCAB_PARAMS = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "wte.weight",
+    "embed_in.weight",
+    "embed_out.weight",
+)
+
+
+def _vocab_rows(name: str, mine: ParamSpec, spec: ParamSpec) -> str | None:
+    """A clear line for a vocabulary resize (the trainer added tokens), or None."""
+    if not name.endswith(VOCAB_PARAMS) or len(mine.shape) != 2 or len(spec.shape) != 2:
+        return None
+    if mine.shape[1] != spec.shape[1] or mine.shape[0] == spec.shape[0]:
+        return None
+    return (
+        f"{name!r}: the trainer sends {spec.shape[0]} vocabulary rows, the engine holds "
+        f"{mine.shape[0]} (the trainer's embeddings were resized, e.g. for new tokens); "
+        "a sync cannot change the vocabulary size: save the resized model and tokenizer, "
+        "and create the engines from that checkpoint"
+    )
+
+
 def mismatches(expected: Manifest, got: Manifest, *, allow_partial: bool = False) -> list[str]:
     """Every difference between the engine's manifest (`expected`) and the
     trainer's (`got`), one readable line each; empty when they agree."""
@@ -129,7 +153,8 @@ def mismatches(expected: Manifest, got: Manifest, *, allow_partial: bool = False
             problems.append(f"{spec.name!r}: the engine has no such parameter")
         elif mine.shape != spec.shape:
             problems.append(
-                f"{spec.name!r}: shape {list(spec.shape)} from the trainer, "
+                _vocab_rows(spec.name, mine, spec)
+                or f"{spec.name!r}: shape {list(spec.shape)} from the trainer, "
                 f"{list(mine.shape)} on the engine"
             )
         elif mine.dtype != spec.dtype:
