@@ -4,7 +4,8 @@ syncs our engines unchanged. Its client (`RayVLLMWeightSyncClient`, or any
 object with the four methods of `VLLMWeightSyncClient`) calls, on each engine
 actor:
 
-- `init_weight_transfer_engine(request)`: `request.init_info` (or a dict) is
+- `init_weight_transfer_engine(request)`: `request.init_info` (or
+  `request["init_info"]`) is
   `{master_address, master_port, rank_offset, world_size}` for the NCCL
   backend: each worker joins the trainer's group (`group.py`: vLLM's
   `StatelessProcessGroup` + `PyNcclCommunicator` on GPUs, the same
@@ -42,10 +43,12 @@ NCCL_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size"}
 
 
 def _info(request: Any, field: str) -> dict:
-    """vLLM's request dataclass or its dict, as the dict."""
-    info = getattr(request, field, request)
+    """vLLM's request dataclass, or a dict holding `field`, as vLLM's `LLM` takes them."""
+    info = request.get(field) if isinstance(request, dict) else getattr(request, field, None)
     if not isinstance(info, dict):
-        raise WeightSyncError(f"expected a {field} dict, got {type(info).__name__}")
+        raise WeightSyncError(
+            f"expected vLLM's request with a {field} dict, got {type(request).__name__}"
+        )
     return info
 
 

@@ -10,6 +10,8 @@ import torch
 
 from engines.config import EngineConfig
 from engines.weight_api import with_weight_methods
+from engines.weight_sync.config import GroupInfo
+from engines.weight_sync.group import WeightGroup, free_port
 from engines.weight_sync.session import WeightSync
 from engines.worker_extension import WeightSyncWorkerExtension
 
@@ -78,3 +80,13 @@ def assert_state(module: torch.nn.Module, expected: dict[str, torch.Tensor]) -> 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def join(engine: FakeEngine, timeout_s: float = 10.0) -> WeightGroup:
+    """A trainer's gloo group (rank 0, returned) with the engine's one worker (rank 1)."""
+    info = GroupInfo("127.0.0.1", free_port(), 2, "test-group", "gloo", timeout_s)
+    trainer = asyncio.create_task(asyncio.to_thread(WeightGroup, info, 0))
+    await engine.init_process_group(
+        info.master_address, info.master_port, 1, 2, info.group_name, backend="gloo"
+    )
+    return await trainer

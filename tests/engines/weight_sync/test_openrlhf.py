@@ -9,11 +9,10 @@ import asyncio
 
 import pytest
 import torch
-from fake_engine import FakeEngine, run, state
+from fake_engine import FakeEngine, join, run, state
 
-from engines.weight_sync.config import GroupInfo
 from engines.weight_sync.errors import ManifestMismatchError
-from engines.weight_sync.group import WeightGroup, free_port
+from engines.weight_sync.group import WeightGroup
 
 
 class Tiny(torch.nn.Module):
@@ -25,16 +24,6 @@ class Tiny(torch.nn.Module):
         self.embed_tokens = torch.nn.Embedding(vocab, 4)
         self.norm = torch.nn.LayerNorm(4)
         self.lm_head = torch.nn.Linear(4, vocab, bias=False)
-
-
-async def join(engine: FakeEngine) -> WeightGroup:
-    """The trainer's group with the engine's one worker (rank 1)."""
-    info = GroupInfo("127.0.0.1", free_port(), 2, "test-openrlhf", "gloo", 10.0)
-    trainer = asyncio.create_task(asyncio.to_thread(WeightGroup, info, 0))
-    await engine.init_process_group(
-        info.master_address, info.master_port, 1, 2, info.group_name, backend="gloo"
-    )
-    return await trainer
 
 
 async def send(engine, group: WeightGroup, name: str, tensor, empty_cache: bool = False):
