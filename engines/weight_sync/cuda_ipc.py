@@ -342,7 +342,8 @@ def worker_receive_shared(
     worker.load(weights, repeat=keep)
     answer = WorkerAnswer(
         bytes=sum(nbytes_of(t) for _, t in weights),
-        holds_sync_state=False,  # nothing for end_weight_sync to drop
+        # Nothing for end_weight_sync to do, unless a layerwise reload must finish.
+        holds_sync_state=worker.reloading,
     )
     if signal and keep:
         # Forward passes run on this thread's stream too, after the copies

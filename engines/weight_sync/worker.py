@@ -24,6 +24,15 @@ from engines.weight_sync.protocol import WorkerAnswer
 
 logger = logging.getLogger(__name__)
 
+#: vLLM model classes whose `load_weights` the copy plan is proven to replay
+#: exactly: their loaders record cleanly against vLLM 0.26's code, and the
+#: engines' logprobs matched the trainer's after replayed syncs on the H200s
+#: (docs/weight_sync.md). Any other vLLM model loads through vLLM's own
+#: layerwise reload on every sync (`load_weights`, then each layer's
+#: post-load processing: MoE expert layouts, quantization scales), as vLLM's
+#: own weight-transfer engines do.
+REPLAY_PROVEN = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+
 
 class WorkerWeights:
     """One worker's weight-sync state. `host` provides `_model()`, `device`,
@@ -37,6 +46,7 @@ class WorkerWeights:
         self.wire_sums: dict[str, tuple[int, Any]] | None = None
         self.expected: Manifest | None = None
         self.copy_plan: Any = None  # CopyPlan, made on the first load
+        self.reloading = False  # inside vLLM's layerwise reload (unproven models)
         # Per transport, what it keeps between its calls (a validated plan,
         # a trainer's mapped tensors); dropped after a failed sync.
         self.held: dict[str, Any] = {}
@@ -103,9 +113,17 @@ class WorkerWeights:
         )
 
     # --- loading -----------------------------------------------------------------------
+    def replays(self) -> bool:
+        """Whether loads replay recorded copies (else vLLM's layerwise reload)."""
+        return not self.is_vllm_model() or type(self.model()).__name__ in REPLAY_PROVEN
+
     def load(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
         """Load through the model's loader once, then replay its copies
-        (`repeat`: the same tensors come again, see CopyPlan.load)."""
+        (`repeat`: the same tensors come again, see CopyPlan.load); models
+        not proven for replay go through vLLM's layerwise reload."""
+        if not self.replays():
+            self._reload(weights)
+            return
         if self.copy_plan is None:
             from engines.weight_sync.copy_plan import CopyPlan
 
@@ -126,9 +144,34 @@ class WorkerWeights:
 
         return copy_by_name
 
+    def _reload(self, weights: list[tuple[str, Any]]) -> None:
+        model = self.model()
+        if not self.reloading:
+            try:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            except ImportError as exc:
+                raise WeightSyncError(
+                    f"{type(model).__name__}: copy-plan replay is not proven for this model "
+                    f"class and vLLM's layerwise reload is not available ({exc})"
+                ) from exc
+            initialize_layerwise_reload(model)
+            self.reloading = True
+        model.load_weights(weights=weights)
+
+    def finish_reload(self) -> None:
+        """Run the post-load processing of a layerwise reload (once per sync)."""
+        if self.reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self.reloading = False
+            finalize_layerwise_reload(self.model(), self.host.model_config)
+
     def copy_plan_status(self) -> dict:
         """Whether loads replay recorded copies (and how many), or why not."""
         plan = self.copy_plan
+        if not self.replays():
+            refused = f"{type(self.model()).__name__} is not proven for replay: vLLM's reload"
+            return {"copies": 0, "refused": refused, "graph": False, "graph_error": None}
         if plan is None:
             return {"copies": 0, "refused": None, "graph": False, "graph_error": None}
         return {
@@ -179,6 +222,7 @@ class WorkerWeights:
         always drop it and the sync's checksums. After a failure, what the
         transports hold is dropped too (a trainer shares its tensors afresh)."""
         self.wire_sums = None
+        self.finish_reload()  # a layerwise reload's processing, before any restore
         if failed:
             self.held.clear()
         restored = False

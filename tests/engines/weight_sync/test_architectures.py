@@ -15,62 +15,16 @@ import asyncio
 
 import pytest
 import torch
+from architectures import ARCHITECTURES, build
 from fake_engine import FakeEngine, join, run
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen2MoeConfig,
-    Qwen3Config,
-)
 
 from engines.weight_sync import checkpoint
 from engines.weight_sync.buckets import bucket_key, iter_buckets, pack_bucket, plan_buckets
 from engines.weight_sync.checksum import checksum, checksums
 from engines.weight_sync.manifest import Manifest, dtype_name
 
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-ARCHITECTURES = {
-    "llama3": lambda: LlamaConfig(
-        **COMMON,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "qwen2-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=8),
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
-    "gemma2": lambda: Gemma2Config(**COMMON, head_dim=8),
-    "qwen2-moe": lambda: Qwen2MoeConfig(
-        **COMMON,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        decoder_sparse_step=1,
-    ),
-}
 TRANSPORTS = ("checkpoint", "broadcast", "openrlhf", "vllm_native")
 TOKENS = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 23, 11, 77]])
-
-
-def build(arch: str, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(ARCHITECTURES[arch]()).eval()
 
 
 async def by_checkpoint(engine, weights, version, tmp_path):
@@ -157,7 +111,7 @@ SYNCS = {
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_transport_syncs_every_architecture(arch, transport, tmp_path):
     engine = FakeEngine(build(arch, seed=0))
     trainer = build(arch, seed=1)
