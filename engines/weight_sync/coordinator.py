@@ -42,8 +42,8 @@ def trainer_weights(weights: Any) -> list[tuple[str, Any]]:
 
 class ManifestCache:
     """The manifest of the last weights seen, made again only when their
-    names, dtypes or shapes change (most syncs send the same layout; making
-    it costs a millisecond at 7B)."""
+    names, dtypes or shapes change (most syncs send the same layout, and
+    making one is not free at large models)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None

@@ -98,8 +98,8 @@ class Manifest(BaseModel):
     def names(self) -> list[str]:
         return [p.name for p in self.params]
 
-    # Cached (the model is frozen): a sync asks for both, and at 7B each
-    # costs a tenth of a millisecond or more.
+    # Cached (the model is frozen): a sync asks for both, and each walks
+    # every parameter.
     @cached_property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.params)

@@ -152,7 +152,7 @@ class WeightSync:
         """Raise ManifestMismatchError, naming the parameter, if the trainer's
         manifest does not fit this engine. Changes nothing."""
         # Most syncs send the manifest accepted last time: a plain comparison,
-        # no validation (a millisecond per sync at 7B).
+        # no validation.
         if self._last_accepted == (manifest, bool(allow_partial)):
             return
         checked = Manifest.model_validate(manifest)
