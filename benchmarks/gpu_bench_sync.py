@@ -209,7 +209,7 @@ def bench_size(ray, name: str, model_dir: Path, syncs: int, two_gpus: bool) -> d
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from engines import create_vllm_engines, destroy_engines
-    from engines.weight_sync.broadcast import free_port
+    from engines.weight_sync.group import free_port
 
     dummy = {"load_format": "dummy"} if name != "0.28b" else {}
     pg = placement_group([{"GPU": 1, "CPU": 2}])

@@ -134,7 +134,7 @@ def main() -> None:
         )
         verified = sender.sync(weights, next_version())
         status = raise_first_error(call_engines(engines, "weight_status"))
-        assert all(s["version"] == version[0] and not s["stale"] for s in status), status
+        assert all(s.version == version[0] and not s.stale for s in status), status
     finally:
         destroy_engines(engines)
         ray.shutdown()

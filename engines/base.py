@@ -15,7 +15,8 @@ from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, PromptTooLongError, RequestError
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
-from engines.weight_api import WeightUpdateAPI
+from engines.weight_api import with_weight_methods
+from engines.weight_sync.session import WeightSync
 
 # What sleep releases and `wake_up(tags)` restores (vLLM's tag names).
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
@@ -54,7 +55,8 @@ def normalize_prompts(prompt_token_ids: Any) -> list[list[int]]:
     return batch
 
 
-class RolloutEngine(WeightUpdateAPI, abc.ABC):
+@with_weight_methods
+class RolloutEngine(abc.ABC):
     """One rollout engine (all its tensor-parallel workers)."""
 
     backend: str = ""
@@ -67,6 +69,7 @@ class RolloutEngine(WeightUpdateAPI, abc.ABC):
         self.stale = False
         # Tags still asleep after `sleep`; the engine serves only when empty.
         self._asleep: set[str] = set()
+        self.weights = WeightSync(self)  # weight sync; its methods delegate to it
 
     # --- generation ---------------------------------------------------------
     @abc.abstractmethod
@@ -104,7 +107,7 @@ class RolloutEngine(WeightUpdateAPI, abc.ABC):
     async def reset_prefix_cache(self) -> bool:
         return True
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> None:  # noqa: B027 - an optional hook
         """Free the engine's resources before the actor is killed."""
 
     @abc.abstractmethod

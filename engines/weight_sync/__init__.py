@@ -1,12 +1,20 @@
-"""Weight sync from a trainer to rollout engines: bucketed collective
-broadcast (gloo / NCCL), CUDA IPC for colocated engines, and safetensors
-checkpoints; versioned, verified, and bounded in time. Design: docs/weight_sync.md.
+"""Weight sync from a trainer to rollout engines, one module per transport
+(trainer, engine-actor and worker sides together): bucketed collective
+broadcast (`broadcast`), CUDA IPC for colocated engines (`cuda_ipc`),
+safetensors checkpoints (`checkpoint`), OpenRLHF's per-parameter calls
+(`openrlhf`) and vLLM's native weight-transfer API (`vllm_native`); the
+protocol (`protocol`), the engine actor's session (`session`) and the
+worker's state (`worker`) are shared. Versioned, verified, and bounded in
+time. Design: docs/weight_sync.md.
 
 Nothing here imports vLLM or CUDA at module level.
 """
 
+from engines.weight_sync.broadcast import BroadcastSender
+from engines.weight_sync.checkpoint import sync_from_checkpoint
 from engines.weight_sync.config import GroupInfo, SyncConfig
 from engines.weight_sync.coordinator import SyncReport
+from engines.weight_sync.cuda_ipc import CudaIpcSender
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
     ManifestMismatchError,
@@ -15,7 +23,6 @@ from engines.weight_sync.errors import (
     WeightVersionError,
 )
 from engines.weight_sync.manifest import Manifest, ParamSpec
-from engines.weight_sync.senders import BroadcastSender, CudaIpcSender, sync_from_checkpoint
 
 __all__ = [
     "BroadcastSender",

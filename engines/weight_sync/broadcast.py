@@ -1,208 +1,374 @@
-"""The process group that carries weights from the trainer (rank 0) to every
-engine worker: gloo through torch.distributed on CPUs, NCCL through vLLM's
-`StatelessProcessGroup` + `PyNcclCommunicator` on GPUs (what OpenRLHF and
-vLLM's RLHF examples use).
+"""Transport: bucketed collective broadcast (gloo on CPU, NCCL on GPU).
 
-Compatibility: the gloo group is laid out exactly as OpenRLHF's
-`init_process_group(backend="gloo", init_method="tcp://addr:port",
-group_name=...)` helper lays out its group (a TCPStore under `PrefixStore(group_name)`,
-then torch's own per-group and per-device prefixes), so a trainer that builds
-its group with that helper (torch.distributed only) joins ours and vice versa.
+The trainer is rank 0 of a weight group (`group.py`) with every engine
+worker. Parameters are packed into flat buckets of `SyncConfig.bucket_bytes`
+(`buckets.py`), one broadcast per bucket and one control call per engine per
+sync. On GPUs the broadcasts run on a stream of their own and two buffers
+take turns on both sides: bucket k+1 is packed (trainer) and received
+(engine) while bucket k is on the wire or being loaded.
 
-Every collective has a deadline: gloo's own timeout; for NCCL, which has none,
-a watchdog polls the CUDA event and aborts the communicator
-(`ncclCommAbort`) when the deadline passes (NCCL collectives hang forever
-when a peer dies: https://github.com/NVIDIA/nccl/issues/585).
+Trainer: `BroadcastSender`. Engine actor: `receive_weight_buckets`. Worker:
+`receive_weight_buckets` (the same name, through `collective_rpc`).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import time
-from datetime import timedelta
 from typing import Any
 
-from engines.weight_sync.config import GroupInfo
-from engines.weight_sync.errors import WeightTransferError
+from engines.client import call_engines, raise_first_error
+from engines.weight_sync.buckets import (
+    BucketPlan,
+    bucket_key,
+    iter_buckets,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
+from engines.weight_sync.checksum import device_sums, finish_checksums
+from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
+from engines.weight_sync.coordinator import (
+    Coordinator,
+    ManifestCache,
+    Phases,
+    SyncReport,
+    Weights,
+    as_engine_list,
+    trainer_weights,
+)
+from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.group import WeightGroup, free_port
+from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.protocol import Begun, Received, Transport, WorkerAnswer
+from engines.weight_sync.session import WeightSync, validated
+from engines.weight_sync.worker import WorkerWeights
 
 logger = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    """A TCP port free right now on this host (the trainer binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+# --- trainer side --------------------------------------------------------------------------
+class BroadcastSender:
+    """Rank 0 of a process group with every engine worker: gloo on CPU, NCCL
+    on GPU. Parameters travel in flat buckets of `config.bucket_bytes`, with
+    one control call per engine per sync."""
 
+    transport = "broadcast"
 
-class WeightGroup:
-    """One member's handle on the weight-sync group (trainer or engine worker)."""
-
-    def __init__(self, info: GroupInfo, rank: int, device: Any = None):
-        if not 0 <= rank < info.world_size:
-            raise ValueError(f"rank {rank} is outside the group of {info.world_size}")
-        self.info = info
-        self.rank = rank
+    def __init__(
+        self,
+        config: SyncConfig | None = None,
+        *,
+        backend: str = "gloo",
+        group_name: str = DEFAULT_GROUP_NAME,
+        master_address: str | None = None,
+        device: Any = "cpu",
+    ):
+        self.config = config or SyncConfig()
+        self.backend = backend
+        self.group_name = group_name
+        self.master_address = master_address
         self.device = device
-        self._store = None
-        self._gloo = None
-        self._nccl = None
-        self._stream = None
-        started = time.monotonic()
+        self.engines: list[Any] = []
+        self.group: WeightGroup | None = None
+        self.info: GroupInfo | None = None
+        self._manifests = ManifestCache()
+        self._plan: tuple[tuple, BucketPlan, dict] | None = None
+
+    def init(self, engines: list[Any]) -> GroupInfo:
+        """Build the group with `engines` (replacing any earlier group)."""
+        import ray
+
+        if not engines:
+            raise ValueError("no engines to sync")
+        self.close()
+        self.engines = as_engine_list(engines)
+        timeout = self.config.timeout_s
+        sizes = raise_first_error(
+            call_engines(self.engines, "num_weight_workers", timeout_s=timeout)
+        )
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        address = self.master_address or ray.util.get_node_ip_address()
+        info = GroupInfo(
+            address, free_port(), 1 + sum(sizes), self.group_name, self.backend, timeout
+        )
+        refs = [
+            engine.init_process_group.remote(
+                info.master_address,
+                info.master_port,
+                offset,
+                info.world_size,
+                info.group_name,
+                info.backend,
+                False,
+                timeout,
+            )
+            for engine, offset in zip(self.engines, offsets, strict=True)
+        ]
         try:
-            if info.backend == "gloo":
-                self._join_gloo()
-            else:
-                self._join_nccl()
-        except WeightTransferError:
+            group = WeightGroup(info, rank=0, device=self.device)
+        except WeightSyncError:
+            for ref in refs:
+                ray.cancel(ref, force=False)
             raise
-        except Exception as exc:  # noqa: BLE001 - one error type for a failed join
-            raise WeightTransferError(
-                f"rank {rank} could not join weight group {info.group_name!r} at "
-                f"{info.master_address}:{info.master_port} (world {info.world_size}) "
-                f"within {info.timeout_s:g}s: {exc}"
-            ) from exc
+        try:
+            Coordinator(self.engines, self.config).collect(refs, "join the weight group")
+        except BaseException:
+            group.destroy()
+            raise
+        self.group, self.info = group, info
         logger.info(
-            "rank %d joined weight group %r (%s, world %d) in %.2fs",
-            rank,
-            info.group_name,
-            info.backend,
+            "weight group %s:%d ready: %d engines, world %d",
+            address,
+            info.master_port,
+            len(self.engines),
             info.world_size,
-            time.monotonic() - started,
         )
+        return info
 
-    @property
-    def group_id(self) -> str:
-        """Names the group: members compare it to know they are in the same one."""
-        return f"{self.info.master_address}:{self.info.master_port}/{self.info.group_name}"
+    def close(self) -> None:
+        """Tear the group down on both sides (best effort on the engines)."""
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        if self.engines:
+            for result in call_engines(
+                self.engines, "destroy_weight_group", timeout_s=self.config.timeout_s
+            ):
+                if not result.ok:
+                    logger.warning(
+                        "engine %d: leaving the weight group failed: %s",
+                        result.engine,
+                        result.error,
+                    )
 
-    @property
-    def alive(self) -> bool:
-        return self._gloo is not None or self._nccl is not None
+    def bucket_plan(self, manifest: Manifest) -> tuple[BucketPlan, dict]:
+        """The buckets of `manifest` and their plain form, made again only
+        when the manifest or the bucket size changes."""
+        key = (manifest, self.config.bucket_bytes)
+        if self._plan is None or self._plan[0] != key:
+            plan = plan_buckets(manifest, self.config.bucket_bytes)
+            self._plan = (key, plan, plan.model_dump(mode="json"))
+        return self._plan[1], self._plan[2]
 
-    # --- gloo -------------------------------------------------------------------
-    def _join_gloo(self) -> None:
-        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+    def _group_intact(self, begun: list[Begun]) -> bool:
+        """Our group is up, and every engine worker is still in it (a failed
+        sync tears groups down; another trainer may have taken the engines):
+        from the engines' answers to begin."""
+        if self.group is None or not self.group.alive:
+            logger.info("weight group is down: rebuilding it")
+            return False
+        if any(i != self.group.group_id for answer in begun for i in answer.group_ids):
+            logger.warning("engines left weight group %s: rebuilding it", self.group.group_id)
+            return False
+        return True
 
-        timeout = timedelta(seconds=self.info.timeout_s)
-        self._store = TCPStore(
-            self.info.master_address,
-            self.info.master_port,
-            self.info.world_size,
-            is_master=self.rank == 0,
-            timeout=timeout,
-            wait_for_workers=True,
-        )
-        name = self.info.group_name
-        # The same prefixes as torch's `_new_process_group_helper` under
-        # OpenRLHF's helper: PrefixStore(group_name) -> "<group_name>/" -> "cpu/".
-        store = PrefixStore("cpu/", PrefixStore(f"{name}/", PrefixStore(name, self._store)))
-        self._gloo = ProcessGroupGloo(store, self.rank, self.info.world_size, timeout)
+    def sync(self, weights: Weights, version: int) -> SyncReport:
+        """Push `weights` as `version` to every engine: `start`, send every
+        bucket, `finish`."""
+        transfer = self.start(weights, version)
+        transfer.send()
+        return transfer.finish()
 
-    def _broadcast_gloo(self, tensor: Any, src: int) -> None:
-        from torch.distributed import BroadcastOptions
+    def start(self, weights: Weights, version: int) -> BroadcastTransfer:
+        """Check the manifest on every engine, open the sync (engines pause),
+        and have them wait for the buckets. Rebuilds the group if a failed
+        sync tore it down."""
+        if not self.engines:
+            raise WeightSyncError("call init(engines) before sync")
+        weights = trainer_weights(weights)
+        manifest = self._manifests.of(weights)
+        coordinator = Coordinator(self.engines, self.config)
+        phases = Phases()
+        begun = coordinator.begin(version, manifest)
+        if not self._group_intact(begun):
+            # Rare (after a failure): leave the engines as they were, rebuild,
+            # and open the sync again.
+            coordinator.abort("rebuilding the weight group")
+            self.init(self.engines)
+            begun = coordinator.begin(version, manifest)
+        phases.engines_reported(begun, "pause_s", "prepare_s")
+        phases.done("begin")
+        return BroadcastTransfer(self, coordinator, weights, manifest, version, phases)
 
-        options = BroadcastOptions()
-        options.rootRank = src
-        options.rootTensor = 0
-        options.timeout = timedelta(seconds=self.info.timeout_s)
-        work = self._gloo.broadcast([tensor], options)
-        work.wait(timedelta(seconds=self.info.timeout_s))
 
-    # --- NCCL (GPU only; vLLM imported here) -------------------------------------
-    def _join_nccl(self) -> None:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
+class BroadcastTransfer:
+    """One sync in flight (from `BroadcastSender.start`): `send` the buckets,
+    then `finish`. Any failure aborts the sync on every engine and raises."""
 
-        self._store = StatelessProcessGroup.create(
-            host=self.info.master_address,
-            port=self.info.master_port,
-            rank=self.rank,
-            world_size=self.info.world_size,
-            store_timeout=int(max(1, self.info.timeout_s)),
-        )
-        self._nccl = PyNcclCommunicator(self._store, device=self.device)
-
-    def _start_nccl(self, tensor: Any, src: int) -> Any:
-        """Enqueue the broadcast on the group's own stream, after all work
-        enqueued so far on the current stream (packing or loading of earlier
-        buffers); returns its completion event. A stream of its own lets the
-        current stream pack or load one bucket while the next is on the wire."""
+    def __init__(
+        self,
+        sender: BroadcastSender,
+        coordinator: Coordinator,
+        weights: list,
+        manifest: Manifest,
+        version: int,
+        phases: Phases,
+    ):
         import torch
 
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(tensor.device)
-        self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        # The tensor was allocated on another stream: keep the allocator from
-        # reusing it before this stream is done with it.
-        tensor.record_stream(self._stream)
-        self._nccl.broadcast(tensor, src=src, stream=self._stream)
-        done = torch.cuda.Event()
-        done.record(self._stream)
-        return done
+        self.sender, self.coordinator, self.version = sender, coordinator, version
+        self.phases, self.manifest = phases, manifest
+        self.plan, plan = sender.bucket_plan(manifest)
+        self.sent = 0
+        self._buckets = iter_buckets(self.plan, weights)
+        # Two buffers take turns: bucket k+1 is packed while bucket k is on
+        # the wire (the engines load one while receiving the next the same way).
+        size = max(b.nbytes for b in self.plan.buckets)
+        self._buffers = [
+            torch.empty(size, dtype=torch.uint8, device=sender.device)
+            for _ in range(min(2, len(self.plan.buckets)))
+        ]
+        self._in_flight = None
+        # Per bucket: (bytes, checksum sums on the device) of what was packed.
+        self._sums: dict[str, tuple[int, Any]] = {}
+        self._refs = [
+            e.receive_weight_buckets.remote(plan, sender.config.verify) for e in sender.engines
+        ]
 
-    def _wait_nccl(self, done: Any) -> None:
-        # NCCL has no deadline of its own: poll, so a dead peer is an error
-        # (and an ncclCommAbort in `destroy`) instead of a hang.
-        deadline = time.monotonic() + self.info.timeout_s
-        while not done.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NCCL broadcast did not finish in {self.info.timeout_s:g}s")
-            time.sleep(0.0002)
+    @property
+    def remaining(self) -> int:
+        return len(self.plan.buckets) - self.sent
 
-    # --- common -------------------------------------------------------------------
-    def broadcast(self, tensor: Any, src: int = 0) -> None:
-        """Broadcast `tensor` in place from `src` and wait for it; raises
-        WeightTransferError (and tears the group down) if a peer fails or the
-        deadline passes."""
-        self.wait(self.start_broadcast(tensor, src))
-
-    def start_broadcast(self, tensor: Any, src: int = 0) -> Any:
-        """Begin broadcasting `tensor` from `src`; pass the result to `wait`.
-        NCCL: runs on the group's stream after what the current stream has
-        queued; `tensor` must not be touched until it is waited for (or the
-        current stream waits for the result: `torch.cuda.current_stream().wait_event`).
-        gloo: done on return (None)."""
-        if not self.alive:
-            raise WeightTransferError(
-                f"weight group {self.info.group_name!r} was torn down; build a new one"
-            )
+    def send(self, buckets: int | None = None) -> int:
+        """Broadcast the next `buckets` buckets (default: all left); returns
+        how many were sent."""
+        count = self.remaining if buckets is None else min(buckets, self.remaining)
         try:
-            if self._gloo is not None:
-                self._broadcast_gloo(tensor, src)
-                return None
-            return self._start_nccl(tensor, src)
-        except Exception as exc:  # noqa: BLE001 - every failure ends this group
-            raise self._failed(exc) from exc
+            group = self.sender.group
+            for _ in range(count):
+                bucket, tensors = next(self._buckets)
+                buffer = self._buffers[self.sent % len(self._buffers)]
+                # This buffer's last broadcast was waited for below, one
+                # bucket ago: packing may overwrite it.
+                flat = pack_bucket(bucket, tensors, out=buffer[: bucket.nbytes])
+                if self.sender.config.verify:
+                    # Queued before the broadcast and before the buffer's reuse.
+                    self._sums[bucket_key(self.sent)] = (bucket.nbytes, device_sums(flat))
+                started = group.start_broadcast(flat, src=0)
+                group.wait(self._in_flight)
+                self._in_flight = started
+                self.sent += 1
+            if not self.remaining:
+                group.wait(self._in_flight)
+                self._in_flight = None
+        except Exception as exc:
+            # Tear the group down (a failed broadcast already did), so the
+            # engines' receives fail now instead of at their deadline; learn
+            # which engines are dead (that error wins), then abort the rest.
+            if self.sender.group is not None:
+                self.sender.group.destroy()
+            try:
+                self.coordinator.collect(self._refs, f"receive version {self.version}")
+            except Exception as engine_error:  # noqa: BLE001 - the more specific error
+                raise engine_error from exc
+            self.coordinator.abort(str(exc))
+            raise
+        return count
 
-    def wait(self, pending: Any) -> None:
-        """Wait (within the deadline) for a broadcast `start_broadcast` began."""
-        if pending is None:
-            return
-        try:
-            self._wait_nccl(pending)
-        except Exception as exc:  # noqa: BLE001 - every failure ends this group
-            raise self._failed(exc) from exc
-
-    def _failed(self, exc: Exception) -> WeightTransferError:
-        self.destroy()
-        return WeightTransferError(
-            f"broadcast in weight group {self.info.group_name!r} failed on rank {self.rank} "
-            f"(deadline {self.info.timeout_s:g}s): {exc}"
+    def finish(self) -> SyncReport:
+        """Wait for every engine to load, verify, commit the new version."""
+        if self.remaining:
+            self.coordinator.abort(f"finish called with {self.remaining} buckets unsent")
+            raise WeightSyncError(f"{self.remaining} buckets were not sent; the sync was aborted")
+        config = self.sender.config
+        expected = finish_checksums(self._sums) if config.verify else None
+        received = self.coordinator.collect(self._refs, f"receive version {self.version}")
+        self.phases.engines_reported(received, "wait_s", "load_s")
+        self.phases.done("transfer")
+        if expected is not None:
+            self.coordinator.check_received(self.version, expected, received)
+            self.phases.done("verify")
+        self.coordinator.finish(self.version)
+        self.phases.done("finish")
+        return SyncReport(
+            self.version,
+            self.sender.transport,
+            len(self.sender.engines),
+            bytes=self.manifest.nbytes,
+            buckets=len(self.plan.buckets),
+            seconds=self.phases.total,
+            verified=config.verify,
+            phases=self.phases.times,
+            engine_times=self.phases.engine_times,
         )
 
-    def destroy(self) -> None:
-        """Leave the group. Idempotent; the members must build a new group (on a
-        new port) to sync again."""
-        if self._nccl is not None:
-            try:
-                self._nccl.destroy()
-            except Exception:  # noqa: BLE001 - already broken
-                logger.warning("NCCL communicator abort failed", exc_info=True)
-        if self._gloo is not None:
-            try:
-                self._gloo.shutdown()
-            except Exception:  # noqa: BLE001 - already broken
-                logger.debug("gloo shutdown failed", exc_info=True)
-        self._gloo = self._nccl = self._store = self._stream = None
+
+# --- engine actor --------------------------------------------------------------------------
+async def receive_weight_buckets(sync: WeightSync, plan: dict, verify: bool = True) -> Received:
+    """Receive a whole bucket plan over the weight group (the trainer
+    broadcasts the buckets right after calling this)."""
+    # Most syncs send the plan of the last one: a comparison, no validation.
+    if sync.held.get("broadcast") != plan:
+        validated(BucketPlan, plan, sync.name)
+        sync.held["broadcast"] = plan
+    # One call receives every bucket: the deadline grows with their number.
+    timeout = sync.rpc_timeout() * max(1, len(plan["buckets"]))
+    return await sync.receive("receive_weight_buckets", plan, bool(verify), timeout_s=timeout)
+
+
+# --- worker --------------------------------------------------------------------------------
+def worker_receive_buckets(worker: WorkerWeights, plan: dict, verify: bool = True) -> dict:
+    """Every bucket of the plan arrives as one broadcast of a flat buffer, is
+    unpacked into views and loaded. Two buffers take turns, so bucket k+1 is
+    on the wire while bucket k is loaded."""
+    held = worker.held.get("broadcast")
+    if held is None or held[0] != plan:
+        # Validated once per layout: most syncs send the plan of the last.
+        held = worker.held["broadcast"] = (plan, BucketPlan.model_validate(plan))
+    group = worker.live_group()  # fail before anything is allocated
+    answer = _receive_buckets(worker, held[1], group, verify)
+    # The receive buffers (two buckets) go back to the GPU.
+    worker.empty_cache()
+    return worker.answer(answer, verify)
+
+
+def _receive_buckets(
+    worker: WorkerWeights, plan: BucketPlan, group: WeightGroup, verify: bool
+) -> WorkerAnswer:
+    import torch
+
+    size = max(b.nbytes for b in plan.buckets)
+    buffers = [
+        torch.empty(size, dtype=torch.uint8, device=worker.device)
+        for _ in range(min(2, len(plan.buckets)))
+    ]
+    in_flight = []
+    times = {"wait_s": 0.0, "load_s": 0.0}
+
+    def load(index: int, bucket, flat, pending) -> None:
+        # Waiting here (with the group's deadline) keeps load_weights from
+        # queueing behind a broadcast that may never finish.
+        mark = time.monotonic()
+        group.wait(pending)
+        waited = time.monotonic()
+        if verify:
+            # One checksum per bucket, as the trainer packed it: a few calls
+            # per sync instead of several per tensor on this critical path.
+            worker.record_wire([(bucket_key(index), flat)])
+        worker.load(unpack_bucket(bucket, flat))
+        # Host time: what the wire waits for while this worker queues work.
+        times["wait_s"] += waited - mark
+        times["load_s"] += time.monotonic() - waited
+
+    for index, bucket in enumerate(plan.buckets):
+        flat = buffers[index % 2][: bucket.nbytes]
+        # Starts after the loads already queued on this stream, so the
+        # buffer's previous bucket is consumed before it is overwritten.
+        in_flight.append((index, bucket, flat, group.start_broadcast(flat, src=0)))
+        if len(in_flight) == 2:
+            load(*in_flight.pop(0))
+    for received in in_flight:
+        load(*received)
+    mark = time.monotonic()
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)
+    times["load_s"] += time.monotonic() - mark
+    return WorkerAnswer(bytes=plan.nbytes, times=times)
+
+
+TRANSPORT = Transport(
+    "broadcast",
+    engine_methods={"receive_weight_buckets": receive_weight_buckets},
+    worker_methods={"receive_weight_buckets": worker_receive_buckets},
+)

@@ -1,9 +1,14 @@
-"""Checkpoints in the HF layout (safetensors): the transport for trainers
-outside the cluster, which write a directory the engines can read.
+"""Transport: a checkpoint directory in the HF layout (safetensors), for
+trainers outside the cluster, which write a directory the engines can read.
 
 `save` writes `model.safetensors`, or shards plus `model.safetensors.index.json`
 when larger than `max_shard_bytes`; the weight version travels in the
 safetensors metadata. `read_manifest` reads only the headers.
+
+Trainer: `save`, then `sync_from_checkpoint(engines, path)` (two-phase; begin
+rides on the load call, and a single engine without `verify` commits in it
+too). Engine actor: `load_weights_from_path`, `load_checkpoint` (one engine,
+by itself). Worker: `load_weights_from_path`.
 """
 
 from __future__ import annotations
@@ -11,11 +16,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engines.weight_sync.checksum import checksums, nbytes_of
+from engines.weight_sync.config import SyncConfig
+from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport
+from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.manifest import Manifest, ParamSpec
+from engines.weight_sync.protocol import Committed, Received, Transport, WorkerAnswer
+
+if TYPE_CHECKING:  # both import this module
+    from engines.weight_sync.session import WeightSync
+    from engines.weight_sync.worker import WorkerWeights
 
 logger = logging.getLogger(__name__)
 
@@ -132,3 +147,97 @@ def save(
         (root / INDEX).write_text(json.dumps(index, indent=2))
     logger.info("wrote %d tensors in %d file(s) to %s", sum(map(len, shards)), len(shards), root)
     return root
+
+
+# --- trainer side --------------------------------------------------------------------------
+def sync_from_checkpoint(
+    engines: list[Any], path: str, version: int | None = None, config: SyncConfig | None = None
+) -> SyncReport:
+    """Engines load a safetensors checkpoint directory (HF layout) that a
+    trainer outside the cluster wrote (`save`); two-phase like the other
+    transports. The version is `version`, else the one stored in the checkpoint."""
+    config = config or SyncConfig()
+    manifest = read_manifest(path)
+    if version is None:
+        version = read_version(path)
+        if version is None:
+            raise WeightSyncError(f"{path} stores no weight version; pass version=")
+    coordinator = Coordinator(engines, config)
+    phases = Phases()
+    received = coordinator.begin_and_receive(
+        version,
+        manifest,
+        "load_weights_from_path",
+        (str(path), config.verify),
+        verified=config.verify,
+    )
+    phases.engines_reported(received, "pause_s", "call_s")
+    phases.done("transfer")
+    if config.verify:
+        coordinator.check_received(version, checksums(iter_tensors(path)), received)
+        phases.done("verify")
+    if not received[0].committed:
+        coordinator.finish(version)
+        phases.done("finish")
+    return SyncReport(
+        version,
+        "checkpoint",
+        len(engines),
+        bytes=manifest.nbytes,
+        seconds=phases.total,
+        verified=config.verify,
+        phases=phases.times,
+        engine_times=phases.engine_times,
+    )
+
+
+# --- engine actor --------------------------------------------------------------------------
+async def load_weights_from_path(sync: WeightSync, path: str, verify: bool = True) -> Received:
+    """Load a safetensors checkpoint directory (HF layout) into the open sync."""
+    return await sync.receive("load_weights_from_path", str(path), bool(verify))
+
+
+async def load_checkpoint(
+    sync: WeightSync,
+    path: str,
+    version: int | None = None,
+    *,
+    on_failure: str = "restore",
+    verify: bool = True,
+) -> Committed:
+    """Begin, load `path`, finish - on this engine alone (several engines at
+    once: `sync_from_checkpoint`)."""
+    if version is None:
+        version = read_version(path) or sync.host.weight_version + 1
+    manifest = read_manifest(path).model_dump(mode="json")
+    await sync.begin_weight_sync(version, manifest, on_failure=on_failure, allow_partial=True)
+    await load_weights_from_path(sync, path, verify=verify)
+    return await sync.finish_weight_sync(version)
+
+
+# --- worker --------------------------------------------------------------------------------
+def worker_load_path(worker: WorkerWeights, path: str, verify: bool = True) -> dict:
+    """Load every weight of a safetensors checkpoint (HF layout)."""
+    started = time.monotonic()
+    nbytes = 0
+    for name, tensor in iter_tensors(path, device="cpu"):
+        weight = tensor.to(worker.device)
+        if verify:
+            worker.record_wire([(name, weight)])
+        worker.load([(name, weight)])
+        nbytes += nbytes_of(tensor)
+    worker.empty_cache()
+    return worker.answer(
+        WorkerAnswer(bytes=nbytes, times={"load_s": time.monotonic() - started}), verify
+    )
+
+
+TRANSPORT = Transport(
+    "checkpoint",
+    engine_methods={
+        "load_weights_from_path": load_weights_from_path,
+        "load_checkpoint": load_checkpoint,
+    },
+    worker_methods={"load_weights_from_path": worker_load_path},
+    one_call=("load_weights_from_path",),
+)

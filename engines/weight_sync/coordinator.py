@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,35 @@ from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.errors import ChecksumMismatchError, WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.protocol import Begun, OneCall
 
 logger = logging.getLogger(__name__)
+
+Weights = Sequence[tuple[str, Any]]
+
+
+def trainer_weights(weights: Any) -> list[tuple[str, Any]]:
+    """`weights` ((HF name, tensor) pairs) as a list of detached tensors."""
+    weights = list(weights)
+    if not weights:
+        raise ValueError("no weights to sync")
+    return [(name, t.detach()) for name, t in weights]
+
+
+class ManifestCache:
+    """The manifest of the last weights seen, made again only when their
+    names, dtypes or shapes change (most syncs send the same layout, and
+    making one is not free at large models)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._manifest: Manifest | None = None
+
+    def of(self, weights: list[tuple[str, Any]]) -> Manifest:
+        key = tuple((name, t.dtype, tuple(t.shape)) for name, t in weights)
+        if key != self._key:
+            self._key, self._manifest = key, Manifest.of(weights)
+        return self._manifest
 
 
 @dataclass
@@ -74,9 +102,10 @@ class Phases:
         self._mark = self.started
 
     def engines_reported(self, answers: list[Any], *keys: str) -> None:
-        """Keep the slowest engine's seconds for each of `keys` in `answers`."""
+        """Keep the slowest engine's seconds for each of `keys` in the
+        answers' `times`."""
         for key in keys:
-            values = [a[key] for a in answers if isinstance(a, dict) and key in a]
+            values = [a.times[key] for a in answers if key in a.times]
             if values:
                 self.engine_times[key] = max(values)
 
@@ -137,7 +166,7 @@ class Coordinator:
         manifest: Manifest | None,
         allow_partial: bool = False,
         wake: list[str] | None = None,
-    ) -> list[dict]:
+    ) -> list[Begun]:
         """Open the sync on every engine (each checks the manifest before it
         pauses, then wakes `wake`); returns their answers, or aborts all and raises."""
         payload = manifest.plain if manifest is not None else None
@@ -168,7 +197,7 @@ class Coordinator:
         wake: list[str] | None = None,
         wake_after: list[str] | None = None,
         verified: bool = False,
-    ) -> list[dict]:
+    ) -> list[OneCall]:
         """Begin and a receive whose bytes the engines pull themselves (CUDA
         IPC, a checkpoint) in one call per engine. One engine with nothing
         for the trainer to verify also commits in that call (`wake_after`
@@ -230,7 +259,7 @@ class Coordinator:
             raise error
         return [r.value for r in results]
 
-    def check_received(self, version: int, expected: dict[str, str], answers: list[dict]) -> None:
+    def check_received(self, version: int, expected: dict[str, str], answers: list[Any]) -> None:
         """Compare the checksums each engine's workers returned with their
         transfer against the trainer's, before any engine commits: one
         engine's mismatch aborts all, so the engines never serve different
@@ -238,7 +267,7 @@ class Coordinator:
         for index, answer in enumerate(answers):
             try:
                 raise_checksum_mismatch(
-                    engine_label(self.engines, index), expected, answer["checksums"]
+                    engine_label(self.engines, index), expected, answer.checksums
                 )
             except ChecksumMismatchError as error:
                 self.abort(f"verify version {version} failed: {error}")

@@ -2,7 +2,7 @@
 
 vLLM's `load_weights` maps each HF tensor onto fused, tensor-parallel
 parameters in Python (name mapping, q/k/v and gate/up stacking, TP
-narrowing): at 7B, 291 tensors and more host time than the GPU spends copying
+narrowing): on large models more host time than the GPU spends copying
 them, on every sync (docs/benchmarks.md). That mapping depends on names and
 shapes, never on values, so `CopyPlan` records it the first time a tensor is
 loaded (which slice of the incoming tensor each `copy_` writes into which
@@ -16,8 +16,7 @@ its own loader on every sync.
 When the very same incoming tensors will be loaded again (a colocated
 trainer's parameters, kept mapped between CUDA IPC syncs), the copies are
 captured once as a CUDA graph: later loads are one check and one launch
-instead of a check and a launch per copy (on an H200, queueing a 7B model's
-291 copies takes about 1 ms; docs/benchmarks.md).
+instead of a check and a launch per copy (docs/benchmarks.md).
 """
 
 from __future__ import annotations

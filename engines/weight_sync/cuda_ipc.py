@@ -1,31 +1,55 @@
-"""CUDA IPC: hand an engine worker on the same GPU a view of the trainer's
-memory (one GPU cannot hold two NCCL ranks, so colocated engines sync this way).
+"""Transport: CUDA IPC, for engines on the trainer's own GPU(s) (one GPU
+cannot hold two NCCL ranks, so colocated engines sync this way).
 
-Sender: `share(tensor)` -> `{gpu_uuid: rebuild_args}` (torch's
-`reduce_tensor`); the tensor must stay alive until every receiver has copied
-it. Receiver: `open_shared(handles, device_index)` picks the entry of its own
-GPU by UUID (the same physical GPU has different indices in processes with
-different CUDA_VISIBLE_DEVICES) and rebuilds the tensor on its own device
-index (argument 6 of the rebuild args, as vLLM's `IPCWeightTransferEngine`
-and OpenRLHF do).
+No buffer and no packing: the engines open the trainer's own tensors by
+`reduce_tensor` handle and copy straight from them. Sender: `share(tensor)`
+-> `{gpu_uuid: rebuild_args}`; the tensor must stay alive until every
+receiver has copied it. Receiver: `open_shared(handles, device_index)` picks
+the entry of its own GPU by UUID (the same physical GPU has different indices
+in processes with different CUDA_VISIBLE_DEVICES) and rebuilds the tensor on
+its own device index (argument 6 of the rebuild args, as vLLM's
+`IPCWeightTransferEngine` and OpenRLHF do). Handles cross vLLM's msgpack hop
+only as bytes (`dumps` / `loads`).
 
-Handles cross vLLM's msgpack hop only as bytes (`dumps` / `loads`).
+Tensors seen at the same addresses in two syncs in a row are the trainer's
+parameters (updated in place): the engines keep them mapped, later syncs send
+no handles, and the engines replay their copies as one CUDA graph. Then a
+worker records an interprocess CUDA event after queueing its copies and
+answers at once; the trainer waits on that event (`CopyEvents`), so the
+answer's way back (through vLLM's engine core and Ray) overlaps the copies
+instead of following them.
 
-Completion: a worker that keeps the trainer's tensors mapped records an
-interprocess CUDA event after queueing its copies and answers at once; the
-trainer waits on that event (`CopyEvents`), so the answer's way back
-(through vLLM's engine core and Ray) overlaps the copies instead of following
-them (a 7B sync on an H200: 17.7 -> 12.0 ms, together with the copy plan's
-one check per graph; docs/benchmarks.md).
+Trainer: `CudaIpcSender`. Engine actor: `receive_shared_weights`,
+`release_shared_weights`. Worker: the same names.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
+import uuid
 from typing import Any
 
-from engines.weight_sync.errors import WeightTransferError
+from engines.client import call_engines
+from engines.weight_sync.checksum import nbytes_of
+from engines.weight_sync.config import SyncConfig
+from engines.weight_sync.coordinator import (
+    Coordinator,
+    ManifestCache,
+    Phases,
+    SyncReport,
+    Weights,
+    as_engine_list,
+    trainer_weights,
+)
+from engines.weight_sync.errors import WeightSyncError, WeightTransferError
+from engines.weight_sync.manifest import ParamSpec, dtype_name, torch_dtype
+from engines.weight_sync.protocol import Received, Transport, WorkerAnswer
+from engines.weight_sync.session import WeightSync
+from engines.weight_sync.worker import WorkerWeights
+
+logger = logging.getLogger(__name__)
 
 #: Index of the device index in the args of `rebuild_cuda_tensor`.
 DEVICE_ARG = 6
@@ -52,10 +76,10 @@ def merge_handles(per_rank: list[dict[str, tuple]]) -> dict[str, tuple]:
     every engine worker finds its own GPU; two ranks on one GPU are an error."""
     merged: dict[str, tuple] = {}
     for handles in per_rank:
-        for uuid, args in handles.items():
-            if uuid in merged:
-                raise ValueError(f"two trainer ranks shared memory of GPU {uuid}")
-            merged[uuid] = args
+        for gpu, args in handles.items():
+            if gpu in merged:
+                raise ValueError(f"two trainer ranks shared memory of GPU {gpu}")
+            merged[gpu] = args
     return merged
 
 
@@ -138,3 +162,231 @@ def _cuda(call: Any, *args: Any) -> Any:
         return call(*args)
     except RuntimeError as exc:  # CUDA's own: a bad handle, a lost context
         raise WeightTransferError(f"waiting for an engine's copies failed: {exc}") from exc
+
+
+# --- trainer side --------------------------------------------------------------------------
+class CudaIpcSender:
+    """For engines on the trainer's own GPU(s): one copy per byte, no buffer;
+    one control call per sync for one engine, two per engine for more (begin
+    with the copy, then commit on all). With `wake_up`, engines put to sleep
+    during training get their weights back first and their KV cache after.
+
+    There is no copy in transit to verify (the engines read the trainer's own
+    memory), so `SyncConfig.verify` does not apply; the report says so."""
+
+    transport = "cuda_ipc"
+
+    def __init__(
+        self, config: SyncConfig | None = None, *, wake_up: bool = True, gather_handles: Any = None
+    ):
+        self.config = config or SyncConfig()
+        self.wake_up = wake_up
+        # Multi-rank trainers: a function from this rank's per-tensor handles
+        # to all ranks' (e.g. all_gather_object, then merge_handles per tensor).
+        self.gather_handles = gather_handles
+        self.engines: list[Any] = []
+        self._last_layout: tuple | None = None  # the layout of the last sync
+        self._held: tuple[tuple, str] | None = None  # (layout, mapping) the engines keep
+        self._manifests = ManifestCache()
+        self._copy_events = CopyEvents()
+
+    def init(self, engines: list[Any]) -> None:
+        if not engines:
+            raise ValueError("no engines to sync")
+        self.close()
+        self.engines = as_engine_list(engines)
+
+    def close(self) -> None:
+        if self.engines and self._held is not None:
+            for result in call_engines(
+                self.engines, "release_shared_weights", timeout_s=self.config.timeout_s
+            ):
+                if not result.ok:
+                    logger.warning("engine %d: release failed: %s", result.engine, result.error)
+        self._held = self._last_layout = None
+        self._copy_events.clear()
+        self.engines = []
+
+    def _share(self, weights: list[tuple[str, Any]]) -> bytes:
+        handles = [share(t) for _, t in weights]
+        if self.gather_handles is not None:
+            handles = self.gather_handles(handles)
+        params = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in weights]
+        return dumps({"params": params, "handles": handles})
+
+    def sync(self, weights: Weights, version: int) -> SyncReport:
+        import torch
+
+        if not self.engines:
+            raise WeightSyncError("call init(engines) before sync")
+        weights = trainer_weights(weights)
+        if not all(t.is_cuda for _, t in weights):
+            raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
+        manifest = self._manifests.of(weights)
+        layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
+        coordinator = Coordinator(self.engines, self.config)
+        phases = Phases()
+        held, self._held = self._held, None
+        # The engines read the tensors themselves: the trainer's last writes
+        # must have landed.
+        torch.cuda.synchronize(weights[0][1].device)
+        if held is not None and held[0] == layout:
+            mapping, shared, keep = held[1], None, True
+        else:
+            # Tensors seen at the same places twice in a row are the trainer's
+            # own (not temporaries): the engines keep those mapped. Keeping
+            # temporaries would pin a copy of the model in the trainer's memory.
+            mapping, shared = uuid.uuid4().hex, self._share(weights)
+            keep = layout == self._last_layout
+        self._last_layout = layout
+        # Begin rides on the transfer call; one engine also commits in it. A
+        # one-process trainer shares every engine worker's GPU, so it can wait
+        # on the workers' copy events itself (`signal`).
+        signal = self.gather_handles is None
+        received = coordinator.begin_and_receive(
+            version,
+            manifest,
+            "receive_shared_weights",
+            (mapping, shared, keep, signal),
+            wake=["weights"] if self.wake_up else None,
+            wake_after=["kv_cache"] if self.wake_up else None,
+        )
+        phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s")
+        phases.done("transfer")
+        events = [h for answer in received for h in answer.received.copies_done or ()]
+        if events:
+            # The engines answered with their copies queued: the sync is done
+            # (and the trainer may write its tensors again) once they have run.
+            try:
+                self._copy_events.wait(events, weights[0][1].device, self.config.timeout_s)
+            except WeightTransferError as exc:
+                # Engines still open go stale (or restore); one that has
+                # committed has a GPU that stopped copying, which its next
+                # request or health check reports.
+                coordinator.abort(str(exc))
+                raise
+            phases.done("copies")
+        if keep:
+            self._held = (layout, mapping)
+        else:
+            torch.cuda.ipc_collect()  # free what the engines have let go
+        if not received[0].committed:
+            coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
+            phases.done("finish")
+        return SyncReport(
+            version,
+            self.transport,
+            len(self.engines),
+            bytes=manifest.nbytes,
+            seconds=phases.total,
+            verified=False,
+            phases=phases.times,
+            engine_times=phases.engine_times,
+        )
+
+
+# --- engine actor --------------------------------------------------------------------------
+async def receive_shared_weights(
+    sync: WeightSync, mapping: str, shared: bytes | None, keep: bool, signal: bool = False
+) -> Received:
+    """Load the colocated trainer's weights straight from its GPU memory.
+    `shared` carries the tensors' handles (`CudaIpcSender`), or is None to
+    reuse the tensors of `mapping` that the workers kept from the last sync
+    (`keep`). With `signal` (and `keep`) the workers answer before their
+    copies finish: `copies_done` holds one CUDA event handle per worker for
+    the trainer to wait on."""
+    if shared is not None and not isinstance(shared, bytes):
+        raise WeightSyncError(f"engine {sync.name}: shared handles must be bytes")
+    return await sync.receive(
+        "receive_shared_weights", str(mapping), shared, bool(keep), bool(signal)
+    )
+
+
+async def release_shared_weights(sync: WeightSync) -> None:
+    """Drop the colocated trainer's tensors the workers kept between syncs,
+    so the trainer can free that memory."""
+    await sync.rpc("release_shared_weights")
+
+
+# --- worker --------------------------------------------------------------------------------
+def worker_receive_shared(
+    worker: WorkerWeights, mapping: str, shared: bytes | None, keep: bool, signal: bool = False
+) -> dict:
+    """Load a colocated trainer's tensors straight from its memory: one copy,
+    no buffer. `shared`: the pickled `{"params": [[name, dtype, shape], ...],
+    "handles": [per-tensor handles]}` of `CudaIpcSender`, or None to reuse the
+    tensors kept under `mapping` by the last sync. `signal` (with `keep`):
+    answer once the copies are queued, with the handle of a CUDA event
+    recorded after them; otherwise answer once they are done."""
+    import torch
+
+    started = time.monotonic()
+    kept = worker.held.get("cuda_ipc")  # (mapping, [(name, tensor)])
+    if shared is None:
+        if kept is None or kept[0] != mapping:
+            raise WeightTransferError(
+                f"this worker does not hold the shared weights {mapping!r}; the trainer "
+                "must send their handles again"
+            )
+        weights = kept[1]
+    else:
+        worker.held.pop("cuda_ipc", None)  # the trainer may free the old tensors now
+        opened = loads(shared)
+        specs = [ParamSpec(name=n, dtype=d, shape=s) for n, d, s in opened["params"]]
+        problems = worker.problems_of(specs)
+        if problems:
+            return WorkerAnswer(problems=problems).plain()
+        pairs = zip(specs, opened["handles"], strict=True)
+        weights = [(spec.name, open_announced(worker, spec, h)) for spec, h in pairs]
+    opened_at = time.monotonic()
+    worker.load(weights, repeat=keep)
+    answer = WorkerAnswer(
+        bytes=sum(nbytes_of(t) for _, t in weights),
+        # Nothing for end_weight_sync to do, unless a layerwise reload must finish.
+        holds_sync_state=worker.reloading,
+    )
+    if signal and keep:
+        # Forward passes run on this thread's stream too, after the copies
+        # queued here, so no request can read a half-copied weight. The
+        # tensors stay mapped (`keep`) while the GPU still reads them.
+        event = worker.held.get("cuda_ipc_event")
+        if event is None:
+            event = worker.held["cuda_ipc_event"] = copy_event()
+        event.record()
+        answer.copies_done = bytes(event.ipc_handle())
+    else:
+        # The trainer writes these tensors again (or frees them) once we return.
+        torch.cuda.synchronize(worker.device)
+    if keep:
+        worker.held["cuda_ipc"] = (mapping, weights)
+    answer.times = {"open_s": opened_at - started, "load_s": time.monotonic() - opened_at}
+    return answer.plain()
+
+
+def open_announced(worker: WorkerWeights, spec: ParamSpec, handles: dict) -> Any:
+    """The trainer's tensor behind `handles`, which must be what `spec` announced."""
+    tensor = open_shared(handles, worker.device.index)
+    if tuple(tensor.shape) != spec.shape or tensor.dtype != torch_dtype(spec.dtype):
+        raise WeightTransferError(
+            f"{spec.name!r}: the shared tensor is {tensor.dtype} {list(tensor.shape)}, "
+            f"announced {spec.dtype} {list(spec.shape)}"
+        )
+    return tensor
+
+
+def worker_release_shared(worker: WorkerWeights) -> None:
+    worker.held.pop("cuda_ipc", None)
+
+
+TRANSPORT = Transport(
+    "cuda_ipc",
+    engine_methods={
+        "receive_shared_weights": receive_shared_weights,
+        "release_shared_weights": release_shared_weights,
+    },
+    worker_methods={
+        "receive_shared_weights": worker_receive_shared,
+        "release_shared_weights": worker_release_shared,
+    },
+    one_call=("receive_shared_weights",),
+)

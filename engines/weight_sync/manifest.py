@@ -98,8 +98,8 @@ class Manifest(BaseModel):
     def names(self) -> list[str]:
         return [p.name for p in self.params]
 
-    # Cached (the model is frozen): a sync asks for both, and at 7B each
-    # costs a tenth of a millisecond or more.
+    # Cached (the model is frozen): a sync asks for both, and each walks
+    # every parameter.
     @cached_property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.params)
@@ -118,6 +118,41 @@ class Manifest(BaseModel):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+#: Parameters with one row per token (input embeddings, output head).
+VOCAB_PARAMS = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "wte.weight",
+    "embed_in.weight",
+    "embed_out.weight",
+)
+
+
+def _vocab_rows(name: str, mine: ParamSpec, spec: ParamSpec) -> str | None:
+    """A clear line for a vocabulary resize (the trainer added tokens), or None."""
+    if not name.endswith(VOCAB_PARAMS) or len(mine.shape) != 2 or len(spec.shape) != 2:
+        return None
+    if mine.shape[1] != spec.shape[1] or mine.shape[0] == spec.shape[0]:
+        return None
+    return (
+        f"{name!r}: the trainer sends {spec.shape[0]} vocabulary rows, the engine holds "
+        f"{mine.shape[0]} (the trainer's embeddings were resized, e.g. for new tokens); "
+        "a sync cannot change the vocabulary size: save the resized model and tokenizer, "
+        "and create the engines from that checkpoint"
+    )
+
+
+def _hint(name: str) -> str:
+    # transformers 5 holds a MoE layer's experts fused (`experts.gate_up_proj`,
+    # 3-D); checkpoints and vLLM's loaders name each expert's matrices.
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return (
+            " (transformers' fused expert layout: send the checkpoint layout, "
+            "`experts.<i>.gate_proj.weight` etc., as `save_pretrained` writes it)"
+        )
+    return ""
+
+
 def mismatches(expected: Manifest, got: Manifest, *, allow_partial: bool = False) -> list[str]:
     """Every difference between the engine's manifest (`expected`) and the
     trainer's (`got`), one readable line each; empty when they agree."""
@@ -126,10 +161,11 @@ def mismatches(expected: Manifest, got: Manifest, *, allow_partial: bool = False
     for spec in got.params:
         mine = want.get(spec.name)
         if mine is None:
-            problems.append(f"{spec.name!r}: the engine has no such parameter")
+            problems.append(f"{spec.name!r}: the engine has no such parameter{_hint(spec.name)}")
         elif mine.shape != spec.shape:
             problems.append(
-                f"{spec.name!r}: shape {list(spec.shape)} from the trainer, "
+                _vocab_rows(spec.name, mine, spec)
+                or f"{spec.name!r}: shape {list(spec.shape)} from the trainer, "
                 f"{list(mine.shape)} on the engine"
             )
         elif mine.dtype != spec.dtype:

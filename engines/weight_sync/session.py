@@ -1,9 +1,16 @@
-"""The state of one weight sync on an engine actor, and its watchdog.
+"""The engine actor's side of weight sync: `WeightSync`, composed by the
+engine actor (`RolloutEngine.weights`), with the two-phase session every
+transport runs inside.
 
-A sync opens (generation paused), receives, and closes by commit or abort.
-If the trainer disappears between calls, nothing would ever close it: the
-watchdog aborts a session that has had no call running for `idle_timeout_s`,
-so an engine never stays paused on half-loaded weights.
+A sync is a session: `begin_weight_sync` (check the manifest, then pause
+generation and optionally back the weights up) -> one or more receives (the
+transports' engine methods, run through `receive`) -> `finish_weight_sync`
+(verify checksums, reset the prefix cache, stamp the new version, resume) or
+`abort_weight_sync` (restore the backup, or mark the engine stale; then
+resume, so requests get a clear error instead of a hang). Nothing is served
+between begin and finish, so no request sees a mix of versions. If the
+trainer disappears between calls, a watchdog aborts a session that has had
+no call running for `idle_timeout_s`.
 """
 
 from __future__ import annotations
@@ -14,24 +21,50 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from engines.errors import EngineFailure
+from engines.weight_sync.checksum import raise_checksum_mismatch
+from engines.weight_sync.config import ON_FAILURE
+from engines.weight_sync.errors import (
+    ManifestMismatchError,
+    WeightSyncError,
+    WeightTransferError,
+    WeightVersionError,
+)
+from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.protocol import (
+    Aborted,
+    Begun,
+    Committed,
+    EngineHost,
+    OneCall,
+    Received,
+    WeightStatus,
+    WorkerAnswer,
+    transports,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SyncSession:
+class OpenSync:
+    """The state of one sync on an engine, and its watchdog."""
+
     version: int
     on_failure: str  # "restore" | "stale"
     idle_timeout_s: float
     implicit: bool = False  # opened by an OpenRLHF-style update_weight call
     touched: bool = False  # some weights were (maybe partly) loaded
-    # The workers hold something of this sync (a backup, checksums,
-    # buffers) that `end_weight_sync` must drop; a CUDA IPC receive leaves nothing.
+    # The workers hold something of this sync that `end_weight_sync` must drop.
     worker_state: bool = False
+    received: set[str] = field(default_factory=set)  # names, for implicit syncs
     active_calls: int = 0
     last_activity: float = field(default_factory=time.monotonic)
     nbytes: int = 0
-    started: float = field(default_factory=time.monotonic)
     watchdog: asyncio.Task | None = None
 
     @asynccontextmanager
@@ -47,7 +80,7 @@ class SyncSession:
     def idle_for(self) -> float:
         return 0.0 if self.active_calls else time.monotonic() - self.last_activity
 
-    def start_watchdog(self, on_expiry: Callable[[SyncSession], Awaitable[None]]) -> None:
+    def start_watchdog(self, on_expiry: Callable[[OpenSync], Awaitable[Any]]) -> None:
         async def watch() -> None:
             while True:
                 remaining = self.idle_timeout_s - self.idle_for()
@@ -67,3 +100,420 @@ class SyncSession:
         if self.watchdog is not None and self.watchdog is not asyncio.current_task():
             self.watchdog.cancel()
         self.watchdog = None
+
+
+def raise_problems(engine: str, problems: list[str]) -> None:
+    if problems:
+        shown = "; ".join(dict.fromkeys(problems[:5]))
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ManifestMismatchError(f"engine {engine}: weight manifest mismatch: {shown}{more}")
+
+
+def validated(model: type[BaseModel], data: Any, engine: str) -> Any:
+    """`data` checked against `model`, before anything is touched."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise WeightSyncError(f"engine {engine}: invalid {model.__name__}: {exc}") from exc
+
+
+class WeightSync:
+    """Weight sync on one engine actor. Transports' engine methods take it as
+    their first argument and run their worker calls through `receive`."""
+
+    def __init__(self, host: EngineHost):
+        self.host = host
+        self.open: OpenSync | None = None
+        self.in_group = False  # set by init_process_group, cleared by destroy_weight_group
+        # Per transport, what it keeps between syncs (a validated plan).
+        self.held: dict[str, Any] = {}
+        self._lock = asyncio.Lock()
+        self._accepted: frozenset[tuple[str, bool]] = frozenset()
+        self._last_accepted: tuple[dict, bool] | None = None
+        # The receives `begin_and_receive` may run, by name.
+        self._one_call = {m: t.engine_methods[m] for t in transports() for m in t.one_call}
+
+    @property
+    def name(self) -> str:
+        return self.host.config.name
+
+    def rpc_timeout(self, timeout_s: float | None = None) -> float:
+        return float(timeout_s) if timeout_s is not None else float(self.host.config.rpc_timeout_s)
+
+    async def rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return await self.host.collective_rpc(method, args=args, kwargs=kwargs or None)
+
+    # --- manifest and inspection -------------------------------------------------------
+    async def weight_manifest(self) -> dict:
+        """The parameter layout (HF names) this engine accepts."""
+        return (await self.rpc("weight_manifest"))[0]
+
+    async def check_weight_manifest(self, manifest: dict, allow_partial: bool = False) -> None:
+        """Raise ManifestMismatchError, naming the parameter, if the trainer's
+        manifest does not fit this engine. Changes nothing."""
+        # Most syncs send the manifest accepted last time: a plain comparison,
+        # no validation.
+        if self._last_accepted == (manifest, bool(allow_partial)):
+            return
+        checked = Manifest.model_validate(manifest)
+        # A worker's layout never changes, so a manifest it accepted once is
+        # accepted again without asking it.
+        key = (checked.digest(), bool(allow_partial))
+        if key not in self._accepted:
+            per_worker = await self.rpc(
+                "weight_manifest_problems", checked.model_dump(mode="json"), bool(allow_partial)
+            )
+            raise_problems(self.name, [p for problems in per_worker for p in problems])
+            self._accepted = self._accepted | {key}
+        self._last_accepted = (manifest, bool(allow_partial))
+
+    async def weight_checksums(self, names: list[str]) -> list[dict[str, str | None]]:
+        """Per worker: checksums of the named weights (see WorkerWeights)."""
+        return await self.rpc("weight_checksums", list(names))
+
+    async def read_weights(self, names: list[str]) -> dict[str, Any]:
+        """Rank 0's copies of the named weights (CPU tensors)."""
+        return (await self.rpc("read_weights", list(names)))[0]
+
+    async def weight_status(self) -> WeightStatus:
+        """Version served, staleness, and the version being synced (if any)."""
+        open_ = self.open
+        return WeightStatus(
+            self.name,
+            self.host.weight_version,
+            self.host.stale,
+            open_.version if open_ is not None else None,
+        )
+
+    # --- the weight group --------------------------------------------------------------
+    async def init_process_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+        use_ray: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[int]:
+        """Join the trainer's weight group (OpenRLHF's signature): worker of
+        tensor-parallel rank r becomes rank `rank_offset + r`. Must run while the
+        trainer (rank 0) creates its side. Returns the ranks taken."""
+        if use_ray:
+            # ray.util.collective has no timeout on its collectives, and every
+            # collective here must have one.
+            raise WeightSyncError("use_ray=True is not supported: use backend 'gloo' or 'nccl'")
+        if backend not in ("gloo", "nccl"):
+            raise WeightSyncError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 1:
+            raise WeightSyncError(
+                f"rank_offset must be an integer >= 1 (0 is the trainer), got {rank_offset!r}"
+            )
+        ranks = await self.rpc(
+            "init_process_group",
+            master_address=str(master_address),
+            master_port=int(master_port),
+            rank_offset=rank_offset,
+            world_size=int(world_size),
+            group_name=str(group_name),
+            backend=backend,
+            timeout_s=self.rpc_timeout(timeout_s),
+        )
+        self.in_group = True
+        return ranks
+
+    async def destroy_weight_group(self) -> None:
+        self.in_group = False
+        await self.rpc("destroy_weight_group")
+
+    async def has_weight_group(self) -> bool:
+        return all(await self.rpc("has_weight_group"))
+
+    async def num_weight_workers(self) -> int:
+        """Ranks this engine takes in a weight group (its tensor-parallel size)."""
+        return len(await self.rpc("has_weight_group"))
+
+    # --- the session -------------------------------------------------------------------
+    async def begin_weight_sync(
+        self,
+        version: int,
+        manifest: dict | None = None,
+        *,
+        on_failure: str = "stale",
+        idle_timeout_s: float | None = None,
+        allow_partial: bool = False,
+        wake: list[str] | None = None,
+    ) -> Begun:
+        """Open a sync to `version`: check it and the manifest first (a bad one
+        raises and changes nothing), then pause generation, wake the `wake`
+        tags (e.g. ["weights"] of an engine put to sleep during training)
+        and, with `on_failure="restore"`, back the weights up. If no call
+        comes for `idle_timeout_s` (default: the engine's RPC timeout), the
+        sync is aborted."""
+        host = self.host
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise WeightVersionError(f"version must be an integer, got {version!r}")
+        # Versions never go back. Re-sending the version served is allowed: it
+        # repairs a stale engine or brings a replaced engine in line.
+        if version < host.weight_version:
+            raise WeightVersionError(
+                f"engine {self.name} serves version {host.weight_version}; a sync must "
+                f"not go back to {version}"
+            )
+        if on_failure not in ON_FAILURE:
+            raise WeightSyncError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
+        if manifest is not None:
+            await self.check_weight_manifest(manifest, allow_partial)
+        # Checked and claimed with no await in between: one sync at a time.
+        if self.open is not None:
+            raise WeightSyncError(
+                f"engine {self.name} is already syncing to version {self.open.version}; "
+                "finish or abort it first"
+            )
+        session = OpenSync(version, on_failure, self.rpc_timeout(idle_timeout_s))
+        self.open = session
+        try:
+            async with session.call():
+                started = time.monotonic()
+                await host.pause_generation()
+                paused = time.monotonic()
+                if wake:
+                    await host.wake_up(wake)
+                # The workers have nothing to prepare unless they back up, or
+                # report which weight group they are in (one call saved per sync).
+                backup = on_failure == "restore"
+                prepared = None
+                if backup or self.in_group:
+                    prepared = await self.rpc("prepare_weight_sync", backup)
+                    session.worker_state = backup
+        except BaseException:
+            self.open = None
+            await host.resume_generation()
+            raise
+        session.start_watchdog(self._expire)
+        logger.info("engine %s: sync to version %d begun", self.name, version)
+        workers = host.config.tensor_parallel_size
+        return Begun(
+            self.name,
+            version,
+            backup_bytes=sum(p["backup_bytes"] for p in prepared or []),
+            group_ids=tuple(p["group_id"] for p in prepared) if prepared else (None,) * workers,
+            pause_s=paused - started,
+            prepare_s=time.monotonic() - paused,
+        )
+
+    def session(self, version: int | None = None) -> OpenSync:
+        session = self.open
+        if session is None:
+            raise WeightSyncError(
+                f"engine {self.name} has no weight sync open: call begin_weight_sync"
+            )
+        if version is not None and version != session.version:
+            raise WeightVersionError(
+                f"engine {self.name} is syncing to version {session.version}, not {version}"
+            )
+        return session
+
+    async def receive(
+        self,
+        method: str,
+        *args: Any,
+        session: OpenSync | None = None,
+        timeout_s: float | None = None,
+    ) -> Received:
+        """Run the worker method `method` inside the open sync; on failure
+        abort it (restore or mark stale) and raise a typed error."""
+        session = session or self.session()
+        async with session.call(), self._lock:
+            try:
+                plain = await self.host.collective_rpc(method, args=args, timeout_s=timeout_s)
+            except BaseException as exc:
+                session.touched = True  # unknown how far the workers got
+                await self._abort(session, f"{method} failed: {exc}", locked=True)
+                if isinstance(exc, WeightSyncError | EngineFailure) or not isinstance(
+                    exc, Exception
+                ):
+                    raise
+                raise WeightTransferError(f"engine {self.name}: {method} failed: {exc}") from exc
+            answers = [WorkerAnswer.of(a) for a in plain]
+            session.worker_state |= any(a.holds_sync_state for a in answers)
+            problems = [p for a in answers for p in a.problems]
+            if problems:
+                await self._abort(session, "manifest mismatch", locked=True)
+                raise_problems(self.name, problems)
+            session.touched = True
+        session.nbytes += max((a.bytes for a in answers), default=0)
+        # Each worker's checksums are checked (each receives every byte), each
+        # worker's copy event is waited on.
+        first = answers[0]
+        return Received(
+            self.name,
+            bytes=first.bytes,
+            checksums=tuple(a.checksums for a in answers) if first.checksums is not None else None,
+            copies_done=(
+                tuple(a.copies_done for a in answers) if first.copies_done is not None else None
+            ),
+            times=first.times,
+        )
+
+    async def begin_and_receive(
+        self,
+        version: int,
+        manifest: dict | None,
+        receive: str,
+        args: list,
+        *,
+        commit: bool = False,
+        on_failure: str = "stale",
+        idle_timeout_s: float | None = None,
+        allow_partial: bool = False,
+        wake: list[str] | None = None,
+        wake_after: list[str] | None = None,
+    ) -> OneCall:
+        """`begin_weight_sync`, then the receive `receive(*args)`, in one call;
+        with `commit`, `finish_weight_sync(wake=wake_after)` too. For receives
+        that pull the bytes themselves (CUDA IPC, a checkpoint): the trainer
+        needs nothing from begin before the bytes can move, so a round trip
+        is saved. `commit` is for a sync with nothing to agree on between
+        receive and commit: one engine, nothing to verify. Any failure aborts
+        the sync here and raises."""
+        started = time.monotonic()
+        method = self._one_call.get(receive)
+        if method is None:
+            raise WeightSyncError(
+                f"begin_and_receive takes one of {sorted(self._one_call)}, not {receive!r}"
+            )
+        begun = await self.begin_weight_sync(
+            version,
+            manifest,
+            on_failure=on_failure,
+            idle_timeout_s=idle_timeout_s,
+            allow_partial=allow_partial,
+            wake=wake,
+        )
+        try:
+            received = await method(self, *args)
+            if commit:
+                await self.finish_weight_sync(version, wake=wake_after)
+        except BaseException as exc:
+            # Failures inside the session already aborted it; this closes
+            # one raised before (bad arguments). Idempotent.
+            await self.abort_weight_sync(f"{receive} failed: {exc}")
+            raise
+        return OneCall(begun, received, commit, time.monotonic() - started)
+
+    async def verify_weight_sync(self, version: int, checksums: dict[str, str]) -> int:
+        """Compare the checksums of this engine's weights with the trainer's
+        (`{name: checksum}`); a mismatch aborts the sync and raises. Returns
+        how many were compared."""
+        session = self.session(version)
+        async with session.call(), self._lock:
+            try:
+                per_worker = await self.rpc("weight_checksums", list(checksums))
+                raise_checksum_mismatch(f"engine {self.name}", checksums, per_worker)
+            except BaseException as exc:
+                await self._abort(session, str(exc), locked=True)
+                raise
+        return len(checksums)
+
+    async def finish_weight_sync(
+        self,
+        version: int,
+        checksums: dict[str, str] | None = None,
+        wake: list[str] | None = None,
+    ) -> Committed:
+        """Verify (when `checksums` are given), wake the `wake` tags (e.g.
+        ["kv_cache"] after a sync into a sleeping engine), reset the prefix
+        cache, serve `version`, resume. A checksum mismatch, or a failure to
+        wake, aborts the sync and raises."""
+        host = self.host
+        if checksums:
+            await self.verify_weight_sync(version, checksums)
+        session = self.session(version)
+        async with session.call(), self._lock:
+            try:
+                if session.worker_state:
+                    await self.rpc("end_weight_sync", False)
+                if wake:
+                    await host.wake_up(wake)
+            except BaseException as exc:
+                await self._abort(session, f"finishing failed: {exc}", locked=True)
+                raise
+            session.stop_watchdog()
+            self.open = None
+            await host.reset_prefix_cache()
+            host.weight_version = version
+            host.stale = False
+            await host.resume_generation()
+        logger.info("engine %s: now serving weight version %d", self.name, version)
+        return Committed(self.name, version, session.nbytes, bool(checksums))
+
+    async def abort_weight_sync(self, reason: str = "aborted by the caller") -> Aborted:
+        """End the open sync without committing: restore the backup or mark the
+        engine stale, then resume. Idempotent (no session: nothing to do)."""
+        if self.open is None:
+            return Aborted(self.name, False, self.host.stale, self.host.weight_version)
+        return await self._abort(self.open, reason)
+
+    async def _expire(self, session: OpenSync) -> None:
+        if self.open is session:
+            await self._abort(session, "the trainer went silent (idle deadline passed)")
+
+    async def _abort(self, session: OpenSync, reason: str, locked: bool = False) -> Aborted:
+        host = self.host
+        if self.open is not session:  # already closed
+            return Aborted(self.name, False, host.stale, host.weight_version)
+        self.open = None
+        session.stop_watchdog()
+        was_stale = host.stale
+        # Stale until we know better: a receive still running may load more.
+        host.stale = True
+        restored = False
+        try:
+            if locked:
+                restored = await self._end_after_failure(session)
+            else:
+                async with self._lock:  # waits for a receive in flight
+                    restored = await self._end_after_failure(session)
+        finally:
+            if restored or not session.touched:
+                host.stale = was_stale
+            await host.resume_generation()
+        logger.error(
+            "engine %s: weight sync to version %d aborted (%s); serving version %d%s",
+            self.name,
+            session.version,
+            reason,
+            host.weight_version,
+            " (restored)" if restored else (" - STALE, resync needed" if host.stale else ""),
+        )
+        return Aborted(self.name, True, host.stale, host.weight_version, restored)
+
+    async def _end_after_failure(self, session: OpenSync) -> bool:
+        restore = session.touched and session.on_failure == "restore"
+        try:
+            results = await self.rpc("end_weight_sync", restore, True)
+        except Exception:  # noqa: BLE001 - the engine stays stale; reported in the log
+            logger.exception("engine %s: restoring weights failed", self.name)
+            return False
+        return restore and all(r["restored"] for r in results)
+
+
+#: WeightSync's methods the engine actor answers (besides the transports').
+CORE_ENGINE_METHODS = (
+    "weight_manifest",
+    "check_weight_manifest",
+    "weight_checksums",
+    "read_weights",
+    "weight_status",
+    "init_process_group",
+    "destroy_weight_group",
+    "has_weight_group",
+    "num_weight_workers",
+    "begin_weight_sync",
+    "begin_and_receive",
+    "verify_weight_sync",
+    "finish_weight_sync",
+    "abort_weight_sync",
+)

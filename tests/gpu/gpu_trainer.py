@@ -25,6 +25,21 @@ class BF16Policy(ReferencePolicy):
 
         return cuda_ipc.gpu_uuid(torch.cuda.current_device())
 
+    def sync_with_vllm_api(self, engines: list[Any], packed: bool = False) -> None:
+        """Sync as a trainer written to vLLM 0.26's docs does (CUDA IPC
+        backend, vLLM's own client and trainer code, nothing of ours)."""
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+        client = RayVLLMWeightSyncClient(list(engines))
+        client.init_weight_transfer_engine({})
+        client.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(
+            iter(list(self.model.named_parameters())),
+            {"send_mode": "ray", "llm_handle": list(engines), "packed": packed},
+        )
+        client.finish_weight_update()
+
 
 def start_bf16_policy(pretrain: str, **options: Any):
     """BF16Policy as a Ray actor (`options`: num_gpus, scheduling_strategy, ...)."""

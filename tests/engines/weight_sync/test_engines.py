@@ -32,6 +32,7 @@ from engines.weight_sync.manifest import Manifest
 from training.policy import create_policy_actor
 
 HERE = Path(__file__).parent
+ROOT = HERE.parents[2]
 PREFIX = "test-wsync"
 # Fixed sequences whose per-token logprobs engines and trainer must agree on.
 SEQUENCES = [list(range(5, 45)), [7, 99, 3, 250, 18, 64, 64, 12], list(range(200, 212))]
@@ -99,7 +100,10 @@ def ray_address() -> tuple[str, str]:
 
 
 def run_peer(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The peer imports this checkout's code, as the engines do (Ray gives
+    # them the driver's working directory), not an installed copy.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, str(HERE / script), *args],
         env=env,

@@ -1,17 +1,16 @@
-"""The CPU-testable parts of CUDA IPC (handle choice, rebuild arguments,
-serialisation, waiting for the engines' copies) and the safetensors
-checkpoint layout."""
+"""The CPU-testable parts of the CUDA IPC transport (handle choice, rebuild
+arguments, serialisation, waiting for the engines' copies, the engine's
+answer). The GPU paths run in tests/gpu/test_gpu_weight_sync.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from fake_engine import FakeEngine, model, run
 
-from engines.weight_sync import checkpoint, cuda_ipc
+from engines.weight_sync import cuda_ipc
 from engines.weight_sync.errors import WeightTransferError
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.protocol import WorkerAnswer
 
 # reduce_tensor's rebuild args for a CUDA tensor: (type, shape, stride, offset,
 # storage type, dtype, device index, handle, ...); index 6 is the device.
@@ -79,38 +78,32 @@ def test_waiting_for_copies_has_a_deadline_and_a_typed_error():
         events.wait([b"lost"], None, timeout_s=5)
 
 
-def weights():
-    g = torch.Generator().manual_seed(0)
-    return [
-        ("model.embed.weight", torch.randn(16, 8, generator=g)),
-        ("model.norm.weight", torch.randn(8, generator=g).to(torch.bfloat16)),
-        ("lm_head.weight", torch.randn(16, 8, generator=g)),
-    ]
+class TwoWorkerCopiesEngine(FakeEngine):
+    """Two workers (tensor-parallel ranks) answering a CUDA IPC receive the way
+    the real ones do with `signal`: copies queued, each with its own event."""
+
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
+        assert method == "receive_shared_weights"
+        _mapping, _shared, keep, signal = args
+        answers = [
+            WorkerAnswer(bytes=8, holds_sync_state=False, times={"load_s": 0.001}) for _ in range(2)
+        ]
+        if keep and signal:
+            for rank, answer in enumerate(answers):
+                answer.copies_done = f"event-of-rank-{rank}".encode()
+        return [answer.plain() for answer in answers]
 
 
-@pytest.mark.parametrize("max_shard_bytes", [1 << 30, 600])
-def test_checkpoint_round_trip(tmp_path, max_shard_bytes):
-    path = checkpoint.save(weights(), tmp_path / "ckpt", version=7, max_shard_bytes=max_shard_bytes)
-    sharded = max_shard_bytes < 1000
-    assert (path / checkpoint.INDEX).exists() == sharded
-    if sharded:
-        index = json.loads((path / checkpoint.INDEX).read_text())
-        assert set(index["weight_map"]) == {n for n, _ in weights()}
-        assert len(checkpoint.shard_files(path)) == 2  # 512+16 bytes, then 512
-    # safetensors orders tensors its own way; the layout is what must agree.
-    assert checkpoint.read_manifest(path).by_name() == Manifest.of(weights()).by_name()
-    assert checkpoint.read_version(path) == 7
-    loaded = dict(checkpoint.iter_tensors(path))
-    for name, tensor in weights():
-        assert torch.equal(loaded[name], tensor)
-
-
-def test_plain_hf_checkpoint_has_no_version(tiny_model):
-    assert checkpoint.read_version(tiny_model) is None
-    names = checkpoint.read_manifest(tiny_model).names
-    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
-
-
-def test_a_directory_without_weights_is_an_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no safetensors"):
-        checkpoint.shard_files(tmp_path)
+@pytest.mark.parametrize(("keep", "signal"), [(True, True), (True, False), (False, True)])
+def test_a_shared_receive_hands_the_trainer_every_workers_copy_event(keep, signal):
+    engine = TwoWorkerCopiesEngine(model(0))
+    answer = run(
+        engine.begin_and_receive(
+            1, None, "receive_shared_weights", ["m", None, keep, signal], commit=True
+        )
+    )
+    # Rank 1's event matters as much as rank 0's: the trainer must wait on both.
+    expected = (b"event-of-rank-0", b"event-of-rank-1") if keep and signal else None
+    assert answer.received.copies_done == expected
+    assert answer.committed and engine.weight_version == 1
+    assert answer.times["load_s"] == 0.001

@@ -1,7 +1,6 @@
-"""The sync session of the engine actor (`WeightUpdateAPI`) on a fake engine:
-the real mixin and worker extension over a small torch module, with the
-checkpoint transport (no process group needed). Real engines are in
-test_weight_sync_engines.py."""
+"""The engine actor's sync session (`WeightSync`) on a fake engine: the real
+session and worker router over a small torch module, with the checkpoint
+transport (no process group needed). Real engines are in test_engines.py."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ import asyncio
 
 import pytest
 import torch
+from fake_engine import FakeEngine, FakeWorker, assert_state, model, run, state
 
-from engines.config import EngineConfig
-from engines.weight_api import WeightUpdateAPI
 from engines.weight_sync import checkpoint
 from engines.weight_sync.buckets import plan_buckets
 from engines.weight_sync.checksum import checksums
@@ -23,64 +21,6 @@ from engines.weight_sync.errors import (
     WeightVersionError,
 )
 from engines.weight_sync.manifest import Manifest
-from engines.worker_extension import WeightSyncWorkerExtension
-
-
-class FakeWorker(WeightSyncWorkerExtension):
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.device = torch.device("cpu")
-        self.rank = 0
-
-    def _model(self):
-        return self.model
-
-
-class FakeEngine(WeightUpdateAPI):
-    """The engine-actor surface the mixin relies on, and nothing else."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.config = EngineConfig(
-            name="fake-0",
-            pretrain="/nowhere",
-            max_len=16,
-            seed=0,
-            gpu_memory_utilization=0.5,
-            rpc_timeout_s=5.0,
-        )
-        self.weight_version = 0
-        self.stale = False
-        self.paused = False
-        self.prefix_resets = 0
-        self.worker = FakeWorker(model)
-
-    async def pause_generation(self):
-        self.paused = True
-
-    async def resume_generation(self):
-        self.paused = False
-
-    async def reset_prefix_cache(self):
-        self.prefix_resets += 1
-        return True
-
-    async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
-        function = getattr(self.worker, method)
-        return [await asyncio.to_thread(function, *args, **(kwargs or {}))]
-
-
-def model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(4, 3)
-
-
-def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
-def assert_state(module: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
-    for name, tensor in module.named_parameters():
-        assert torch.equal(tensor.detach(), expected[name]), name
 
 
 @pytest.fixture
@@ -95,10 +35,6 @@ def new_weights(tmp_path):
     return str(path), state(trained)
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
 def test_a_full_sync_serves_the_new_version(engine, new_weights):
     path, expected = new_weights
 
@@ -110,7 +46,7 @@ def test_a_full_sync_serves_the_new_version(engine, new_weights):
         return await engine.finish_weight_sync(1, checksums(expected.items()))
 
     report = run(sync())
-    assert report["verified"] and report["version"] == 1
+    assert report.verified and report.version == 1
     assert_state(engine.worker.model, expected)
     assert (engine.weight_version, engine.stale, engine.paused, engine.prefix_resets) == (
         1,
@@ -134,7 +70,7 @@ def test_bad_version_or_manifest_changes_nothing(engine, new_weights):
         run(engine.load_weights_from_path(path))
     assert_state(engine.worker.model, before)
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
-    assert engine._weight_session is None
+    assert engine.weights.open is None
 
 
 def test_an_accepted_manifest_is_not_asked_of_the_workers_again(engine, new_weights):
@@ -176,7 +112,7 @@ def test_failure_part_way_restores_the_old_weights(engine, new_weights, tmp_path
         run(sync())
     assert_state(engine.worker.model, before)
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
-    assert engine._weight_session is None
+    assert engine.weights.open is None
 
 
 def test_failure_part_way_without_backup_marks_the_engine_stale(engine, new_weights, tmp_path):
@@ -232,7 +168,7 @@ def test_a_silent_trainer_is_aborted_by_the_watchdog(engine):
         await asyncio.sleep(0.6)
 
     run(sync())
-    assert engine._weight_session is None
+    assert engine.weights.open is None
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
 
 
@@ -264,10 +200,10 @@ def test_abort_during_a_receive_waits_for_it(new_weights, on_failure):
     aborted = run(sync())
     # The abort waited for the load to finish, then judged the weights.
     if on_failure == "restore":
-        assert aborted["restored"] and not engine.stale
+        assert aborted.restored and not engine.stale
         assert_state(engine.worker.model, before)
     else:
-        assert not aborted["restored"] and engine.stale
+        assert not aborted.restored and engine.stale
     assert (engine.weight_version, engine.paused) == (0, False)
 
 
@@ -277,12 +213,12 @@ def test_begin_and_receive_with_commit_serves_the_new_version_in_one_call(engine
     answer = run(
         engine.begin_and_receive(1, manifest, "load_weights_from_path", [path, False], commit=True)
     )
-    assert answer["committed"] and answer["bytes"] == sum(
+    assert answer.committed and answer.received.bytes == sum(
         t.numel() * t.element_size() for t in expected.values()
     )
     assert_state(engine.worker.model, expected)
     assert (engine.weight_version, engine.stale, engine.paused) == (1, False, False)
-    assert engine._weight_session is None
+    assert engine.weights.open is None
 
 
 def test_begin_and_receive_without_commit_leaves_the_sync_open(engine, new_weights):
@@ -291,10 +227,10 @@ def test_begin_and_receive_without_commit_leaves_the_sync_open(engine, new_weigh
     async def sync():
         answer = await engine.begin_and_receive(1, None, "load_weights_from_path", [path])
         # Loaded but not served: the trainer checks, then finishes.
-        assert not answer["committed"] and engine.paused and engine.weight_version == 0
+        assert not answer.committed and engine.paused and engine.weight_version == 0
         return await engine.finish_weight_sync(1, checksums(expected.items()))
 
-    assert run(sync())["verified"]
+    assert run(sync()).verified
     assert (engine.weight_version, engine.stale, engine.paused) == (1, False, False)
 
 
@@ -312,7 +248,7 @@ def test_begin_and_receive_failing_part_way_restores_and_closes_the_sync(
         )
     assert_state(engine.worker.model, before)
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
-    assert engine._weight_session is None
+    assert engine.weights.open is None
 
 
 def test_begin_and_receive_refusing_its_arguments_leaves_nothing_open(engine):
@@ -324,35 +260,4 @@ def test_begin_and_receive_refusing_its_arguments_leaves_nothing_open(engine):
     with pytest.raises(WeightSyncError, match="must be bytes"):
         run(engine.begin_and_receive(1, None, "receive_shared_weights", ["m", 123, False]))
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
-    assert engine._weight_session is None
-
-
-class TwoWorkerCopiesEngine(FakeEngine):
-    """Two workers (tensor-parallel ranks) answering a CUDA IPC receive the way
-    the real ones do with `signal`: copies queued, each with its own event."""
-
-    async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
-        assert method == "receive_shared_weights"
-        _mapping, _shared, keep, signal = args
-        answers = [
-            {"bytes": 8, "problems": [], "holds_sync_state": False, "load_s": 0.001}
-            for _ in range(2)
-        ]
-        if keep and signal:
-            for rank, answer in enumerate(answers):
-                answer["copies_done"] = f"event-of-rank-{rank}".encode()
-        return answers
-
-
-@pytest.mark.parametrize(("keep", "signal"), [(True, True), (True, False), (False, True)])
-def test_a_shared_receive_hands_the_trainer_every_workers_copy_event(keep, signal):
-    engine = TwoWorkerCopiesEngine(model(0))
-    answer = run(
-        engine.begin_and_receive(
-            1, None, "receive_shared_weights", ["m", None, keep, signal], commit=True
-        )
-    )
-    # Rank 1's event matters as much as rank 0's: the trainer must wait on both.
-    expected = [b"event-of-rank-0", b"event-of-rank-1"] if keep and signal else None
-    assert answer.get("copies_done") == expected
-    assert answer["committed"] and engine.weight_version == 1
+    assert engine.weights.open is None

@@ -1,0 +1,209 @@
+"""The process group that carries weights from the trainer (rank 0) to every
+engine worker, shared by the transports that broadcast (bucketed, OpenRLHF's
+per-parameter, vLLM's native NCCL): gloo through torch.distributed on CPUs, NCCL through vLLM's
+`StatelessProcessGroup` + `PyNcclCommunicator` on GPUs (what OpenRLHF and
+vLLM's RLHF examples use).
+
+Compatibility: the gloo group is laid out exactly as OpenRLHF's
+`init_process_group(backend="gloo", init_method="tcp://addr:port",
+group_name=...)` helper lays out its group (a TCPStore under `PrefixStore(group_name)`,
+then torch's own per-group and per-device prefixes), so a trainer that builds
+its group with that helper (torch.distributed only) joins ours and vice versa.
+
+Every collective has a deadline: gloo's own timeout; for NCCL, which has none,
+a watchdog polls the CUDA event and aborts the communicator
+(`ncclCommAbort`) when the deadline passes (NCCL collectives hang forever
+when a peer dies: https://github.com/NVIDIA/nccl/issues/585).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+from engines.weight_sync.config import GroupInfo
+from engines.weight_sync.errors import WeightTransferError
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free right now on this host (the trainer binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class WeightGroup:
+    """One member's handle on the weight-sync group (trainer or engine worker)."""
+
+    def __init__(self, info: GroupInfo, rank: int, device: Any = None):
+        if not 0 <= rank < info.world_size:
+            raise ValueError(f"rank {rank} is outside the group of {info.world_size}")
+        self.info = info
+        self.rank = rank
+        self.device = device
+        self._store = None
+        self._gloo = None
+        self._nccl = None
+        self._stream = None
+        started = time.monotonic()
+        try:
+            if info.backend == "gloo":
+                self._join_gloo()
+            else:
+                self._join_nccl()
+        except WeightTransferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one error type for a failed join
+            raise WeightTransferError(
+                f"rank {rank} could not join weight group {info.group_name!r} at "
+                f"{info.master_address}:{info.master_port} (world {info.world_size}) "
+                f"within {info.timeout_s:g}s: {exc}"
+            ) from exc
+        logger.info(
+            "rank %d joined weight group %r (%s, world %d) in %.2fs",
+            rank,
+            info.group_name,
+            info.backend,
+            info.world_size,
+            time.monotonic() - started,
+        )
+
+    @property
+    def group_id(self) -> str:
+        """Names the group: members compare it to know they are in the same one."""
+        return f"{self.info.master_address}:{self.info.master_port}/{self.info.group_name}"
+
+    @property
+    def alive(self) -> bool:
+        return self._gloo is not None or self._nccl is not None
+
+    # --- gloo -------------------------------------------------------------------
+    def _join_gloo(self) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        timeout = timedelta(seconds=self.info.timeout_s)
+        self._store = TCPStore(
+            self.info.master_address,
+            self.info.master_port,
+            self.info.world_size,
+            is_master=self.rank == 0,
+            timeout=timeout,
+            wait_for_workers=True,
+        )
+        name = self.info.group_name
+        # The same prefixes as torch's `_new_process_group_helper` under
+        # OpenRLHF's helper: PrefixStore(group_name) -> "<group_name>/" -> "cpu/".
+        store = PrefixStore("cpu/", PrefixStore(f"{name}/", PrefixStore(name, self._store)))
+        self._gloo = ProcessGroupGloo(store, self.rank, self.info.world_size, timeout)
+
+    def _broadcast_gloo(self, tensor: Any, src: int) -> None:
+        from torch.distributed import BroadcastOptions
+
+        options = BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        options.timeout = timedelta(seconds=self.info.timeout_s)
+        work = self._gloo.broadcast([tensor], options)
+        work.wait(timedelta(seconds=self.info.timeout_s))
+
+    # --- NCCL (GPU only; vLLM imported here) -------------------------------------
+    def _join_nccl(self) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        self._store = StatelessProcessGroup.create(
+            host=self.info.master_address,
+            port=self.info.master_port,
+            rank=self.rank,
+            world_size=self.info.world_size,
+            store_timeout=int(max(1, self.info.timeout_s)),
+        )
+        self._nccl = PyNcclCommunicator(self._store, device=self.device)
+
+    def _start_nccl(self, tensor: Any, src: int) -> Any:
+        """Enqueue the broadcast on the group's own stream, after all work
+        enqueued so far on the current stream (packing or loading of earlier
+        buffers); returns its completion event. A stream of its own lets the
+        current stream pack or load one bucket while the next is on the wire."""
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(tensor.device)
+        self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        # The tensor was allocated on another stream: keep the allocator from
+        # reusing it before this stream is done with it.
+        tensor.record_stream(self._stream)
+        self._nccl.broadcast(tensor, src=src, stream=self._stream)
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        return done
+
+    def _wait_nccl(self, done: Any) -> None:
+        # NCCL has no deadline of its own: poll, so a dead peer is an error
+        # (and an ncclCommAbort in `destroy`) instead of a hang.
+        deadline = time.monotonic() + self.info.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NCCL broadcast did not finish in {self.info.timeout_s:g}s")
+            time.sleep(0.0002)
+
+    # --- common -------------------------------------------------------------------
+    def broadcast(self, tensor: Any, src: int = 0) -> None:
+        """Broadcast `tensor` in place from `src` and wait for it; raises
+        WeightTransferError (and tears the group down) if a peer fails or the
+        deadline passes."""
+        self.wait(self.start_broadcast(tensor, src))
+
+    def start_broadcast(self, tensor: Any, src: int = 0) -> Any:
+        """Begin broadcasting `tensor` from `src`; pass the result to `wait`.
+        NCCL: runs on the group's stream after what the current stream has
+        queued; `tensor` must not be touched until it is waited for (or the
+        current stream waits for the result: `torch.cuda.current_stream().wait_event`).
+        gloo: done on return (None)."""
+        if not self.alive:
+            raise WeightTransferError(
+                f"weight group {self.info.group_name!r} was torn down; build a new one"
+            )
+        try:
+            if self._gloo is not None:
+                self._broadcast_gloo(tensor, src)
+                return None
+            return self._start_nccl(tensor, src)
+        except Exception as exc:  # noqa: BLE001 - every failure ends this group
+            raise self._failed(exc) from exc
+
+    def wait(self, pending: Any) -> None:
+        """Wait (within the deadline) for a broadcast `start_broadcast` began."""
+        if pending is None:
+            return
+        try:
+            self._wait_nccl(pending)
+        except Exception as exc:  # noqa: BLE001 - every failure ends this group
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: Exception) -> WeightTransferError:
+        self.destroy()
+        return WeightTransferError(
+            f"broadcast in weight group {self.info.group_name!r} failed on rank {self.rank} "
+            f"(deadline {self.info.timeout_s:g}s): {exc}"
+        )
+
+    def destroy(self) -> None:
+        """Leave the group. Idempotent; the members must build a new group (on a
+        new port) to sync again."""
+        if self._nccl is not None:
+            try:
+                self._nccl.destroy()
+            except Exception:  # noqa: BLE001 - already broken
+                logger.warning("NCCL communicator abort failed", exc_info=True)
+        if self._gloo is not None:
+            try:
+                self._gloo.shutdown()
+            except Exception:  # noqa: BLE001 - already broken
+                logger.debug("gloo shutdown failed", exc_info=True)
+        self._gloo = self._nccl = self._store = self._stream = None

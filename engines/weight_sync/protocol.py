@@ -1,0 +1,168 @@
+"""The weight-sync protocol: what an engine needs from its host actor, what
+each step answers (typed), and the registry of transports.
+
+Three places take part in a sync: the trainer (a sender, per transport), the
+engine actor (`session.WeightSync`, composed by `RolloutEngine`) and each
+worker that holds the model (`worker.WorkerWeights`, behind vLLM's worker
+extension or the CPU backend's worker). A transport is one module holding
+its trainer side, its engine-actor methods and its worker methods; it is
+registered by naming its module in `TRANSPORT_MODULES`.
+
+Answers from the engine actor are dataclasses (they cross Ray by pickle).
+Answers from a worker cross vLLM's msgpack RPC, which takes plain data only:
+`WorkerAnswer.plain()` / `WorkerAnswer.of()` are the one place their keys live.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+
+class EngineHost(Protocol):
+    """What the engine actor gives its `WeightSync` (RolloutEngine has all of it)."""
+
+    config: Any  # EngineConfig: name, rpc_timeout_s, tensor_parallel_size
+    weight_version: int  # stamped on every output
+    stale: bool  # refuses work while True
+
+    async def pause_generation(self) -> None: ...
+    async def resume_generation(self) -> None: ...
+    async def reset_prefix_cache(self) -> bool: ...
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A sync opened on one engine (generation paused)."""
+
+    engine: str
+    version: int
+    backup_bytes: int = 0
+    #: Per worker, the weight group it is in: a trainer learns whether its
+    #: group is intact without another call.
+    group_ids: tuple[str | None, ...] = ()
+    pause_s: float = 0.0
+    prepare_s: float = 0.0
+
+    @property
+    def times(self) -> dict[str, float]:
+        return {"pause_s": self.pause_s, "prepare_s": self.prepare_s}
+
+
+@dataclass(frozen=True)
+class Received:
+    """One receive on one engine: rank 0's figures, and what every worker
+    returns that the trainer must check or wait on."""
+
+    engine: str
+    bytes: int = 0
+    #: Per worker, `{name: checksum}` of what it received (with `verify`).
+    checksums: tuple[dict[str, str], ...] | None = None
+    #: Per worker, the IPC handle of a CUDA event recorded after its copies.
+    copies_done: tuple[bytes, ...] | None = None
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OneCall:
+    """`begin_and_receive`: begin, a receive and maybe the commit, in one call."""
+
+    begun: Begun
+    received: Received
+    committed: bool
+    call_s: float
+
+    @property
+    def times(self) -> dict[str, float]:
+        return {**self.begun.times, **self.received.times, "call_s": self.call_s}
+
+    @property
+    def checksums(self) -> tuple[dict[str, str], ...] | None:
+        return self.received.checksums
+
+
+@dataclass(frozen=True)
+class Committed:
+    engine: str
+    version: int
+    bytes: int
+    verified: bool
+
+
+@dataclass(frozen=True)
+class Aborted:
+    engine: str
+    aborted: bool
+    stale: bool
+    version: int
+    restored: bool = False
+
+
+@dataclass(frozen=True)
+class WeightStatus:
+    engine: str
+    version: int
+    stale: bool
+    syncing: int | None
+
+
+@dataclass
+class WorkerAnswer:
+    """A worker's answer to a receive, as plain data for vLLM's RPC."""
+
+    bytes: int = 0
+    #: Manifest mismatches found in the worker (exception types do not
+    #: survive vLLM's RPC): the engine aborts and raises them.
+    problems: list[str] = field(default_factory=list)
+    #: The worker keeps something of this sync (checksums, a backup) that
+    #: `end_weight_sync` must drop; a CUDA IPC receive keeps nothing.
+    holds_sync_state: bool = True
+    checksums: dict[str, str] | None = None
+    copies_done: bytes | None = None
+    times: dict[str, float] = field(default_factory=dict)
+
+    def plain(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, plain: dict[str, Any]) -> WorkerAnswer:
+        return cls(**plain)
+
+
+# --- transports -------------------------------------------------------------------------
+EngineMethod = Callable[..., Any]  # async (sync: WeightSync, *args) -> answer
+WorkerMethod = Callable[..., Any]  # (worker: WorkerWeights, *args) -> plain data
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A transport's engine-actor and worker methods, by the name each is
+    called under (on the engine actor, and through `collective_rpc`)."""
+
+    name: str
+    engine_methods: Mapping[str, EngineMethod] = field(default_factory=dict)
+    worker_methods: Mapping[str, WorkerMethod] = field(default_factory=dict)
+    #: Engine methods `begin_and_receive` may run: receives whose bytes the
+    #: engine pulls itself, so no trainer step has to follow begin.
+    one_call: tuple[str, ...] = ()
+
+
+#: Modules under engines.weight_sync, each defining `TRANSPORT`.
+TRANSPORT_MODULES = ("broadcast", "cuda_ipc", "checkpoint", "openrlhf", "vllm_native")
+
+
+def transports() -> list[Transport]:
+    return [
+        importlib.import_module(f"engines.weight_sync.{module}").TRANSPORT
+        for module in TRANSPORT_MODULES
+    ]

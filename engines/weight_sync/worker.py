@@ -1,0 +1,327 @@
+"""The receiving side inside one worker that holds the model (a vLLM GPU
+worker or the CPU backend's worker): what every transport shares (the
+manifest, loading through the copy plan, checksums of what arrived, the
+backup, the weight group). Transport-specific receives live in their
+transport's module and take this object as their first argument.
+
+Arguments and results are plain data: vLLM's collective_rpc crosses a msgpack
+hop that refuses torch types.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from engines.weight_sync import checkpoint
+from engines.weight_sync.checksum import device_sums, finish_checksums, nbytes_of
+from engines.weight_sync.config import GroupInfo
+from engines.weight_sync.errors import WeightSyncError, WeightTransferError
+from engines.weight_sync.group import WeightGroup
+from engines.weight_sync.manifest import Manifest, ParamSpec, dtype_name, mismatches, torch_dtype
+from engines.weight_sync.protocol import WorkerAnswer
+
+logger = logging.getLogger(__name__)
+
+#: vLLM model classes whose `load_weights` the copy plan is proven to replay
+#: exactly: their loaders record cleanly against vLLM 0.26's code, and the
+#: engines' logprobs matched the trainer's after replayed syncs on the H200s
+#: (docs/weight_sync.md). Any other vLLM model loads through vLLM's own
+#: layerwise reload on every sync (`load_weights`, then each layer's
+#: post-load processing: MoE expert layouts, quantization scales), as vLLM's
+#: own weight-transfer engines do.
+REPLAY_PROVEN = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+
+
+class WorkerWeights:
+    """One worker's weight-sync state. `host` provides `_model()`, `device`,
+    `rank` (tensor-parallel rank) and, on vLLM, `model_config`."""
+
+    def __init__(self, host: Any):
+        self.host = host
+        self.group: WeightGroup | None = None
+        self.backup: dict[str, Any] | None = None
+        # name -> (bytes, checksum sums on the device) of what this sync received.
+        self.wire_sums: dict[str, tuple[int, Any]] | None = None
+        self.expected: Manifest | None = None
+        self.copy_plan: Any = None  # CopyPlan, made on the first load
+        self.reloading = False  # inside vLLM's layerwise reload (unproven models)
+        # Per transport, what it keeps between its calls (a validated plan,
+        # a trainer's mapped tensors); dropped after a failed sync.
+        self.held: dict[str, Any] = {}
+
+    @property
+    def device(self) -> Any:
+        return self.host.device
+
+    def model(self) -> Any:
+        return self.host._model()
+
+    # --- what this worker expects ------------------------------------------------------
+    def is_vllm_model(self) -> bool:
+        # vLLM models take HF-named weights through `load_weights` (fusing
+        # qkv / gate_up and sharding for TP); transformers models have none.
+        return hasattr(self.model(), "load_weights")
+
+    def expected_manifest(self) -> Manifest:
+        if self.expected is None:
+            if self.is_vllm_model():
+                self.expected = self._checkpoint_manifest()
+            else:
+                self.expected = Manifest.of(self.model().named_parameters())
+        return self.expected
+
+    def _checkpoint_manifest(self) -> Manifest:
+        """vLLM's parameters are fused and sharded, so the HF layout a trainer
+        sends is read from the checkpoint the engine loaded; floating-point
+        weights arrive in the serving dtype."""
+        config = self.host.model_config
+        path = config.model
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(
+                path,
+                revision=config.revision,
+                local_files_only=True,
+                allow_patterns=["*.safetensors", "*.json"],
+            )
+        serving = dtype_name(config.dtype)
+        params = [
+            p.model_copy(update={"dtype": serving}) if torch_dtype(p.dtype).is_floating_point else p
+            for p in checkpoint.read_manifest(path).params
+        ]
+        return Manifest(params=tuple(params))
+
+    def weight_manifest(self) -> dict:
+        """The layout this worker accepts (HF names), as plain data."""
+        return self.expected_manifest().model_dump(mode="json")
+
+    def weight_manifest_problems(self, manifest: dict, allow_partial: bool = False) -> list[str]:
+        """Differences between the trainer's manifest and this worker's, one line each."""
+        got = Manifest.model_validate(manifest)
+        # A checkpoint may hold weights vLLM does not load (tied lm_head, rotary
+        # buffers), so on vLLM only the names the trainer sends are checked.
+        return mismatches(
+            self.expected_manifest(), got, allow_partial=allow_partial or self.is_vllm_model()
+        )
+
+    def problems_of(self, specs: list[ParamSpec]) -> list[str]:
+        return self.weight_manifest_problems(
+            Manifest(params=tuple(specs)).model_dump(mode="json"), allow_partial=True
+        )
+
+    # --- loading -----------------------------------------------------------------------
+    def replays(self) -> bool:
+        """Whether loads replay recorded copies (else vLLM's layerwise reload)."""
+        return not self.is_vllm_model() or type(self.model()).__name__ in REPLAY_PROVEN
+
+    def load(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
+        """Load through the model's loader once, then replay its copies
+        (`repeat`: the same tensors come again, see CopyPlan.load); models
+        not proven for replay go through vLLM's layerwise reload."""
+        if not self.replays():
+            self._reload(weights)
+            return
+        if self.copy_plan is None:
+            from engines.weight_sync.copy_plan import CopyPlan
+
+            self.copy_plan = CopyPlan(self.model(), self._model_loader())
+        self.copy_plan.load(weights, repeat=repeat)
+
+    def _model_loader(self):
+        model = self.model()
+        if self.is_vllm_model():
+            return lambda weights: model.load_weights(weights=weights)
+        params = dict(model.named_parameters())
+
+        def copy_by_name(weights: list[tuple[str, Any]]) -> None:
+            for name, tensor in weights:
+                if name not in params:
+                    raise WeightSyncError(f"the model has no parameter {name!r}")
+                params[name].copy_(tensor)
+
+        return copy_by_name
+
+    def _reload(self, weights: list[tuple[str, Any]]) -> None:
+        model = self.model()
+        if not self.reloading:
+            try:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            except ImportError as exc:
+                raise WeightSyncError(
+                    f"{type(model).__name__}: copy-plan replay is not proven for this model "
+                    f"class and vLLM's layerwise reload is not available ({exc})"
+                ) from exc
+            initialize_layerwise_reload(model)
+            self.reloading = True
+        model.load_weights(weights=weights)
+
+    def finish_reload(self) -> None:
+        """Run the post-load processing of a layerwise reload (once per sync)."""
+        if self.reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self.reloading = False
+            finalize_layerwise_reload(self.model(), self.host.model_config)
+
+    def copy_plan_status(self) -> dict:
+        """Whether loads replay recorded copies (and how many), or why not."""
+        plan = self.copy_plan
+        if not self.replays():
+            refused = f"{type(self.model()).__name__} is not proven for replay: vLLM's reload"
+            return {"copies": 0, "refused": refused, "graph": False, "graph_error": None}
+        if plan is None:
+            return {"copies": 0, "refused": None, "graph": False, "graph_error": None}
+        return {
+            "copies": plan.size,
+            "refused": plan.refused,
+            "graph": plan.captured,
+            "graph_error": plan.graph_error,
+        }
+
+    def record_wire(self, weights: list[tuple[str, Any]]) -> None:
+        # Sums stay on the device (no host round trip per tensor); rendered
+        # when the trainer asks for them.
+        if self.wire_sums is None:
+            self.wire_sums = {}
+        for name, tensor in weights:
+            self.wire_sums[name] = (nbytes_of(tensor), device_sums(tensor))
+
+    def answer(self, answer: WorkerAnswer, verify: bool) -> dict:
+        """`answer` with the checksums of what this sync received (one host
+        copy), for the trainer to compare: no separate verify call."""
+        if verify:
+            answer.checksums = finish_checksums(self.wire_sums or {})
+        return answer.plain()
+
+    def empty_cache(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # --- the sync around a transfer ----------------------------------------------------
+    def prepare_weight_sync(self, backup: bool) -> dict:
+        """Before the first byte: with `backup`, keep a host copy of the
+        weights to restore on failure; say which weight group this worker is in."""
+        self.backup = None
+        if backup:
+            self.backup = {
+                name: t.detach().to("cpu", copy=True)
+                for name, t in self.model().state_dict(keep_vars=True).items()
+            }
+        return {
+            "backup_bytes": sum(nbytes_of(t) for t in (self.backup or {}).values()),
+            "group_id": self.weight_group_id(),
+        }
+
+    def end_weight_sync(self, restore: bool, failed: bool = False) -> dict:
+        """After the sync: with `restore`, put the backup back (a failed sync);
+        always drop it and the sync's checksums. After a failure, what the
+        transports hold is dropped too (a trainer shares its tensors afresh)."""
+        self.wire_sums = None
+        self.finish_reload()  # a layerwise reload's processing, before any restore
+        if failed:
+            self.held.clear()
+        restored = False
+        if restore and self.backup is not None:
+            import torch
+
+            state = self.model().state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, saved in self.backup.items():
+                    state[name].copy_(saved)
+            restored = True
+        self.backup = None
+        if failed:
+            self.empty_cache()  # what a receive left allocated when it failed
+        return {"restored": restored}
+
+    def weight_checksums(self, names: list[str]) -> dict[str, str | None]:
+        """Checksums of the live weights by HF name where the model keeps that
+        name (transformers models); of the bytes received in the last sync
+        otherwise: per tensor, or per bucket (`bucket-<i>`) for a bucketed
+        broadcast (vLLM fuses and shards, so its live tensors have other
+        names and shapes). None for a name neither knows."""
+        live = {} if self.is_vllm_model() else dict(self.model().named_parameters())
+        pending = {n: (nbytes_of(live[n]), device_sums(live[n])) for n in names if n in live}
+        wire = self.wire_sums or {}
+        pending.update({n: wire[n] for n in names if n not in live and n in wire})
+        known = finish_checksums(pending)
+        return {name: known.get(name) for name in names}
+
+    def read_weights(self, names: list[str]) -> dict[str, Any]:
+        """Copies of live weights by name (HF names on transformers models,
+        vLLM's own names on vLLM), for inspection and tests."""
+        state = dict(self.model().named_parameters())
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise WeightSyncError(f"the model has no parameters {missing[:5]}")
+        return {n: state[n].detach().to("cpu", copy=True) for n in names}
+
+    # --- the weight group (broadcasting transports) ------------------------------------
+    def init_process_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+        timeout_s: float = 60.0,
+    ) -> int:
+        """Join the trainer's group as rank `rank_offset + rank` (OpenRLHF's
+        WorkerWrap.init_process_group); returns that rank."""
+        self.destroy_weight_group()
+        info = GroupInfo(
+            master_address, int(master_port), int(world_size), group_name, backend, float(timeout_s)
+        )
+        rank = int(rank_offset) + int(self.host.rank)
+        self.group = WeightGroup(info, rank, device=self.device)
+        return rank
+
+    def destroy_weight_group(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    def has_weight_group(self) -> bool:
+        return self.group is not None and self.group.alive
+
+    def weight_group_id(self) -> str | None:
+        return self.group.group_id if self.has_weight_group() else None
+
+    def live_group(self) -> WeightGroup:
+        if self.group is None or not self.group.alive:
+            raise WeightTransferError(
+                "no weight group on this worker: call init_process_group first (a failed "
+                "sync tears the group down)"
+            )
+        return self.group
+
+    def receive_one(self, spec: ParamSpec) -> tuple[Any, list[str]]:
+        """One tensor broadcast from rank 0, and its manifest problems. It is
+        received before it is checked, so a bad name does not leave the
+        trainer hanging in the collective; a bad one must not be loaded."""
+        import torch
+
+        weight = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+        self.live_group().broadcast(weight, src=0)
+        return weight, self.problems_of([spec])
+
+
+#: Worker methods every engine reaches through `collective_rpc`.
+CORE_WORKER_METHODS = (
+    "weight_manifest",
+    "weight_manifest_problems",
+    "copy_plan_status",
+    "prepare_weight_sync",
+    "end_weight_sync",
+    "weight_checksums",
+    "read_weights",
+    "init_process_group",
+    "destroy_weight_group",
+    "has_weight_group",
+)

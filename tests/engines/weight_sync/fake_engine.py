@@ -1,0 +1,92 @@
+"""A fake engine actor for unit tests of the session and transports: the
+real `WeightSync` (composed, with the engine's delegating methods) and the
+real worker router over a small torch module; generation is a flag."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from engines.config import EngineConfig
+from engines.weight_api import with_weight_methods
+from engines.weight_sync.config import GroupInfo
+from engines.weight_sync.group import WeightGroup, free_port
+from engines.weight_sync.session import WeightSync
+from engines.worker_extension import WeightSyncWorkerExtension
+
+
+class FakeWorker(WeightSyncWorkerExtension):
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = torch.device("cpu")
+        self.rank = 0
+
+    def _model(self):
+        return self.model
+
+
+@with_weight_methods
+class FakeEngine:
+    """The engine-actor surface `WeightSync` relies on (`EngineHost`), and nothing else."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.config = EngineConfig(
+            name="fake-0",
+            pretrain="/nowhere",
+            max_len=16,
+            seed=0,
+            gpu_memory_utilization=0.5,
+            rpc_timeout_s=5.0,
+        )
+        self.weight_version = 0
+        self.stale = False
+        self.paused = False
+        self.prefix_resets = 0
+        self.worker = FakeWorker(model)
+        self.weights = WeightSync(self)
+
+    async def pause_generation(self):
+        self.paused = True
+
+    async def resume_generation(self):
+        self.paused = False
+
+    async def reset_prefix_cache(self):
+        self.prefix_resets += 1
+        return True
+
+    async def wake_up(self, tags=None):
+        raise AssertionError("no test here sleeps")
+
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
+        function = getattr(self.worker, method)
+        return [await asyncio.to_thread(function, *args, **(kwargs or {}))]
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 3)
+
+
+def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def assert_state(module: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    for name, tensor in module.named_parameters():
+        assert torch.equal(tensor.detach(), expected[name]), name
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def join(engine: FakeEngine, timeout_s: float = 10.0) -> WeightGroup:
+    """A trainer's gloo group (rank 0, returned) with the engine's one worker (rank 1)."""
+    info = GroupInfo("127.0.0.1", free_port(), 2, "test-group", "gloo", timeout_s)
+    trainer = asyncio.create_task(asyncio.to_thread(WeightGroup, info, 0))
+    await engine.init_process_group(
+        info.master_address, info.master_port, 1, 2, info.group_name, backend="gloo"
+    )
+    return await trainer
