@@ -106,11 +106,19 @@ async def update_weights(sync: WeightSync, request: Any) -> None:
             if isinstance(handles, dict)
             else [cuda_ipc.dumps(h) for h in handles]
         )
+    # One call receives every collective: the deadline grows with their number.
+    if "ipc_handles" in info:
+        collectives = 1
+    elif info.get("packed"):
+        size = int(info.get("packed_buffer_size_bytes") or DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+        collectives = len(_packed_chunks(list(manifest.params), size))
+    else:
+        collectives = len(names)
     await sync.receive(
         "native_update_weights",
         plain,
         session=session,
-        timeout_s=sync.rpc_timeout() * max(1, len(names) // 64),
+        timeout_s=sync.rpc_timeout() * max(1, collectives),
     )
 
 

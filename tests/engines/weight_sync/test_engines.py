@@ -1,8 +1,9 @@
 """Weight sync into real engines: local Ray, the tiny model, the CPU backend,
 the reference policy actor as trainer, and outside trainer processes.
 
-The tests share one set of engines and run in file order: each leaves the
-engines consistent (a known version, not stale) for the next.
+The tests share one set of engines (starting them is most of the time);
+each begins with the engines brought in line with the policy (`setup`), so
+none depends on what another left behind or on the order they run in.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model, ray_local_module):
+def cluster(tiny_model, ray_local_module):
     engines = create_vllm_engines(
         2, tiny_model, max_len=256, gpu_memory_utilization=0.5, backend="hf", name_prefix=PREFIX
     )
@@ -56,6 +57,16 @@ def setup(tiny_model, ray_local_module):
     yield engines, policy
     ray.kill(policy)
     destroy_engines(engines)
+
+
+@pytest.fixture
+def setup(cluster):
+    """The shared engines and policy, the engines serving the policy's weights
+    (a full sync at a new version, whatever the last test left)."""
+    engines, policy = cluster
+    get(policy.perturb.remote(0.0, 0), 30)
+    get(policy.sync_weights.remote(engines), 60)
+    return engines, policy
 
 
 def engine_logprobs(engine) -> list[list[float]]:
@@ -127,7 +138,7 @@ def wait_settled(engines, deadline_s: float) -> tuple[list[dict], float]:
 
 def test_sync_makes_engines_match_the_trainer(setup):
     engines, policy = setup
-    # The engines and the policy start from the same checkpoint.
+    # In line with the policy (the fixture synced them).
     assert (
         max_diff(engine_logprobs(engines[0]), get(policy.sequence_logprobs.remote(SEQUENCES), 30))
         < LOGPROB_ATOL
@@ -327,7 +338,7 @@ def test_a_corrupted_bucket_aborts_the_sync_on_every_engine(setup):
 
 
 def test_engine_killed_mid_sync(setup):
-    """Last: it kills an engine. The trainer's sync fails within the deadline
+    """It kills an engine. The trainer's sync fails within the deadline
     naming the dead engine; the survivor restores its weights; the replaced
     engine is brought in line by the next sync."""
     engines, policy = setup

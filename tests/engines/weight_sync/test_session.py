@@ -5,6 +5,7 @@ transport (no process group needed). Real engines are in test_engines.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -161,24 +162,34 @@ def test_receive_without_a_group_is_a_transfer_error(engine, new_weights):
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
 
 
+async def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
 def test_a_silent_trainer_is_aborted_by_the_watchdog(engine):
     async def sync():
         await engine.begin_weight_sync(1, None, idle_timeout_s=0.2)
         assert engine.paused
-        await asyncio.sleep(0.6)
+        await until(lambda: engine.weights.open is None)
 
     run(sync())
     assert engine.weights.open is None
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
 
 
-class SlowWorker(FakeWorker):
-    """Loads after a delay: an abort arrives while the receive is in flight."""
+class BlockingWorker(FakeWorker):
+    """Holds its load until released: an abort arrives while the receive is in flight."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.entered, self.release = threading.Event(), threading.Event()
 
     def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
-        import time
-
-        time.sleep(0.3)
+        self.entered.set()
+        assert self.release.wait(10)
         return super().load_weights_from_path(path, verify)
 
 
@@ -186,14 +197,18 @@ class SlowWorker(FakeWorker):
 def test_abort_during_a_receive_waits_for_it(new_weights, on_failure):
     path, _ = new_weights
     engine = FakeEngine(model(0))
-    engine.worker = SlowWorker(engine.worker.model)
-    before = state(engine.worker.model)
+    worker = engine.worker = BlockingWorker(engine.worker.model)
+    before = state(worker.model)
 
     async def sync():
         await engine.begin_weight_sync(1, None, on_failure=on_failure)
         receive = asyncio.create_task(engine.load_weights_from_path(path))
-        await asyncio.sleep(0.05)  # the worker is inside its slow load
-        aborted = await engine.abort_weight_sync("trainer gave up")
+        assert await asyncio.to_thread(worker.entered.wait, 10)  # inside its load
+        abort = asyncio.create_task(engine.abort_weight_sync("trainer gave up"))
+        await until(lambda: engine.weights.open is None)  # the abort has begun
+        assert not abort.done()  # and waits for the receive
+        worker.release.set()
+        aborted = await abort
         await receive
         return aborted
 
