@@ -22,7 +22,13 @@ logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 # Bump when the recipe changes, so cached copies are rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+#: A small chat template of its own, so `--apply-chat-template` runs offline:
+#: one line per message ("<role>: <content>"), then "assistant: " to answer.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def default_model_dir() -> Path:
@@ -50,6 +56,7 @@ def build_tokenizer():
         pad_token="<|pad|>",
         bos_token="<|bos|>",
         eos_token="<|eos|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -60,10 +60,14 @@ def load_config(path: Path) -> dict[str, Any]:
 
 def flag_value(name: str, raw: str) -> Any:
     """A flag's string, as the model expects it: mappings (engine_kwargs) are
-    JSON/YAML; everything else stays a string for the model to parse."""
+    JSON/YAML; lists (stop) a JSON list, or one value; everything else stays a
+    string for the model to parse."""
     if raw.lower() in ("", "none", "null"):
         return None
-    if typing.get_origin(RolloutParams.model_fields[name].annotation) is dict:
+    origin = typing.get_origin(RolloutParams.model_fields[name].annotation)
+    if origin is list and not raw.lstrip().startswith("["):
+        return [raw]
+    if origin in (dict, list):
         try:
             return yaml.safe_load(raw)
         except yaml.YAMLError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engines.sampling import SamplingParams
 
@@ -25,11 +25,30 @@ class RolloutParams(BaseModel):
     prompts_path: str = Field(
         "data/prompts.jsonl",
         min_length=1,
-        description="Prompts file: JSONL (one JSON object per line) or Parquet (.parquet). "
-        "Relative paths are taken from the working directory.",
+        description="Prompts: a JSONL file (one JSON object per line), a Parquet file, or a "
+        "directory of Parquet files. Relative paths are taken from the working directory.",
     )
     prompt_field: str = Field(
-        "prompt", min_length=1, description="Field (JSONL) or column (Parquet) holding the prompt."
+        "prompt",
+        min_length=1,
+        description="Field (JSONL) or column (Parquet) holding the prompt: a string, or a "
+        "list of chat messages ({role, content}; needs apply_chat_template).",
+    )
+    label_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Field holding the label (ground truth) the reward gets; dotted for a "
+        "nested one, e.g. 'reward_model.ground_truth'. Empty: no label.",
+    )
+    id_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Field holding each row's id (unique). Empty: the row's position.",
+    )
+    apply_chat_template: bool = Field(
+        False,
+        description="Render prompts with the model tokenizer's chat template (a text prompt "
+        "becomes one user message), with the generation prompt appended.",
     )
 
     # --- engines -------------------------------------------------------------
@@ -65,6 +84,18 @@ class RolloutParams(BaseModel):
         le=20,
         description="Write per-token logprobs: 0 the sampled token, k also the top k. Empty: none.",
     )
+    stop: list[str] = Field(
+        default_factory=list,
+        description='Stop strings (a string, or a JSON list: ["\\n", "###"]).',
+    )
+    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string.")
+    min_tokens: int = Field(0, ge=0, description="Response tokens at least before EOS/stop.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top one.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="1 disables it.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     seed: int = Field(
         42,
         ge=0,
@@ -79,7 +110,16 @@ class RolloutParams(BaseModel):
         description="Reward function, 'module:function'. Set: after each iteration the "
         "reference policy scores the rollouts, takes a GRPO step and its weights are synced "
         "into the engines before the next iteration. Empty: plain rollouts.",
-        examples=["training.rewards:target_chars_fraction"],
+        examples=["training.tasks.last_letter:reward"],
+    )
+    reward_style: Literal["batch", "openrlhf", "verl"] = Field(
+        "batch",
+        description="How the reward is called: 'batch' fn(list[RewardInput]) -> list[float]; "
+        "'openrlhf' reward_func(queries, prompts, labels); 'verl' compute_score(data_source, "
+        "solution_str, ground_truth, extra_info) per sample.",
+    )
+    reward_timeout_s: float = Field(
+        300.0, gt=0.0, le=86_400.0, description="Deadline for scoring one shard (in Ray)."
     )
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="The policy's step size.")
 
@@ -96,7 +136,9 @@ class RolloutParams(BaseModel):
     output_dir: str = Field(
         "out", min_length=1, description="Each run writes under <output_dir>/<flow run id>/."
     )
-    output_format: Literal["jsonl", "parquet", "both"] = Field("jsonl")
+    output_format: Literal["parquet", "jsonl"] = Field(
+        "parquet", description="Format of the shards (one per run)."
+    )
 
     # --- cluster and failure handling ------------------------------------------
     address: str | None = Field(
@@ -134,6 +176,11 @@ class RolloutParams(BaseModel):
         "one, so a slow engine does not hold the others back.",
     )
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _fits(self) -> RolloutParams:
         if self.max_tokens >= self.max_len:
@@ -144,13 +191,30 @@ class RolloutParams(BaseModel):
         return self
 
     def sampling(self) -> SamplingParams:
-        """Sampling parameters shared by every request (each gets its own seed)."""
-        return SamplingParams(
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
+        """Sampling parameters shared by every request (each gets its own seed).
+        The vLLM-named fields go through when set: `SamplingParams` refuses one
+        its backend cannot honour, naming it, rather than dropping it."""
+        values = {name: getattr(self, name) for name in ALWAYS_SAMPLED}
+        values.update(
+            {
+                name: getattr(self, name)
+                for name in SAMPLED_WHEN_SET
+                if name in self.model_fields_set
+            }
         )
+        return SamplingParams(**values)
+
+
+ALWAYS_SAMPLED = ("n", "temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "logprobs")
+#: vLLM's per-request fields; at their defaults they mean what vLLM's defaults mean.
+SAMPLED_WHEN_SET = (
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "min_tokens",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "skip_special_tokens",
+)

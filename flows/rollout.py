@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import ray
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -28,13 +29,13 @@ from tasks.cluster import provision_cluster
 from tasks.engines import create_engines, resolve_model, teardown, wait_until_ready
 from tasks.generate import GenerationPlan, IterationReport, generate_rollouts
 from tasks.pool import EnginePool
-from tasks.prompts import load_prompts
+from tasks.prompts import PromptFields, load_prompts
 from tasks.scope import RunScope
 from tasks.shards import plan_shards, prepare_run_dir, set_aside_iterations, write_atomically
 from tasks.sync_weights import init_weight_sync, sync_weights
 from tasks.train import start_policy, train_on_rollouts
 from training.config import PolicyConfig
-from training.rewards import load_reward
+from training.rewards import load_reward, start_reward_scorer
 
 SUMMARY_FILE = "summary.json"
 
@@ -67,12 +68,15 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     logger = get_run_logger()
     began = time.monotonic()
     scope = RunScope(run_id=str(flow_run.get_id()), attempt=flow_run.get_run_count())
-    # Input first: bad prompts or a clashing output directory fail the run
-    # before anything is created.
-    prompts = load_prompts(params.prompts_path, params.prompt_field)
+    # Input first: bad prompts, sampling fields or reward, or a clashing
+    # output directory fail the run before anything is created.
+    params.sampling()
     if params.reward:
-        load_reward(params.reward)  # a bad import path fails here
+        load_reward(params.reward, params.reward_style)  # a bad import path fails here
     model = resolve_model(params.model)
+    prompts = load_prompts(
+        params.prompts_path, prompt_fields(params), model, params.apply_chat_template
+    )
     run_dir = prepare_run_dir(
         Path(params.output_dir) / scope.run_id, manifest(params, prompts, model)
     )
@@ -89,6 +93,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     )
     pool: EnginePool | None = None
     policy = None
+    scorer = None
     reports: list[IterationReport] = []
     training: list[dict] = []
     try:
@@ -113,18 +118,22 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 ready_timeout_s=params.ready_timeout_s,
             )
             init_weight_sync(policy, list(pool.engines))
+            scorer = start_reward_scorer(
+                params.reward,
+                params.reward_style,
+                name=f"{scope.name_prefix}-reward",
+                namespace=scope.namespace,
+            )
         generate = generate_rollouts.with_options(retries=params.engine_retries)
         for iteration in range(params.iterations):
             plan = generation_plan(params, run_dir, iteration)
             progress = start_progress(iteration, 0, len(plan_shards(len(prompts), plan.shard_size)))
-            reports.append(generate(pool, prompts, plan, progress, policy))
+            reports.append(generate(pool, prompts, plan, progress, policy, scorer))
             if policy is not None:
                 # Iteration + 1 samples from the weights trained on this one.
-                step = train_on_rollouts(
-                    policy, reports[-1].directory, reward=params.reward, iteration=iteration
-                )
+                step = train_on_rollouts(policy, reports[-1].directory, iteration=iteration)
                 synced = sync_weights(policy, list(pool.engines), iteration=iteration)
-                training.append(training_row(step, synced))
+                training.append(training_row(step, synced, reports[-1]))
         summary = RunSummary(
             run_id=scope.run_id,
             attempt=scope.attempt,
@@ -141,6 +150,8 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         return summary
     finally:
         try:
+            if scorer is not None:
+                ray.kill(scorer, no_restart=True)
             teardown(pool, scope, cluster, policy)
         finally:
             if pool is not None:  # also after a failure: it shows which engine failed
@@ -160,7 +171,12 @@ def generation_plan(params: RolloutParams, run_dir: Path, iteration: int) -> Gen
         shards_per_engine=params.shards_per_engine,
         request_timeout_s=params.request_timeout_s,
         ready_timeout_s=params.ready_timeout_s,
+        reward_timeout_s=params.reward_timeout_s,
     )
+
+
+def prompt_fields(params: RolloutParams) -> PromptFields:
+    return PromptFields(prompt=params.prompt_field, label=params.label_field, id=params.id_field)
 
 
 def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConfig:
@@ -176,12 +192,13 @@ def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConf
     )
 
 
-def training_row(step: dict, synced: dict) -> dict:
+def training_row(step: dict, synced: dict, report: IterationReport) -> dict:
     """One row of the run's training table."""
     return {
         "iteration": step["iteration"],
         "mean_reward": round(step["mean_reward"], 4),
         "samples": step["samples"],
+        "reward_seconds": report.reward_seconds,
         "weight_version": synced["version"],
         "sync_bytes": synced["bytes"],
         "sync_seconds": round(synced["seconds"], 4),
@@ -195,12 +212,16 @@ def manifest(params: RolloutParams, prompts, model: str) -> dict:
     return {
         "prompts_sha256": prompts.sha256,
         "prompt_field": params.prompt_field,
+        "label_field": params.label_field,
+        "id_field": params.id_field,
+        "apply_chat_template": params.apply_chat_template,
         "model": model,
         "sampling": params.sampling().model_dump(),
         "seed": params.seed,
         "shard_size": params.shard_size,
         "output_format": params.output_format,
         "reward": params.reward,
+        "reward_style": params.reward_style,
         "learning_rate": params.learning_rate,
     }
 
@@ -224,11 +245,12 @@ def summary_markdown(summary: RunSummary, pool: EnginePool) -> str:
     if summary.training:
         lines += [
             "",
-            "| iteration | mean reward | weight version | sync seconds | GB/s |",
-            "|---|---|---|---|---|",
+            "| iteration | mean reward | reward seconds | weight version | sync seconds | GB/s |",
+            "|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {t['iteration']} | {t['mean_reward']:.3f} | {t['weight_version']} "
+            f"| {t['iteration']} | {t['mean_reward']:.3f} | {t['reward_seconds']:.2f} "
+            f"| {t['weight_version']} "
             f"| {t['sync_seconds']:.3f} | {t['sync_gb_per_s']:.3f} |"
             for t in summary.training
         ]

@@ -1,5 +1,6 @@
 """The generation task: one iteration's rollouts, shard by shard, written
-exactly once."""
+exactly once. With a reward, each shard is scored (in Ray) before it is
+written, so its rows carry their reward and the advantage the policy uses."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from tasks.artifacts import update_progress
 from tasks.dispatch import run_shards
 from tasks.engines import retry_on_engine_failure, wait_ready
 from tasks.pool import EnginePool
-from tasks.prompts import Prompts
-from tasks.records import request_seed, rows_for
+from tasks.prompts import PromptRecord, Prompts
+from tasks.records import request_seed, rows_for, with_input
 from tasks.shards import Shard, ShardStore, plan_shards
+from training.grpo import group_advantages
+from training.rewards import RewardInput, score_remote
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class GenerationPlan:
     shards_per_engine: int
     request_timeout_s: float
     ready_timeout_s: float
+    #: Deadline for the reward on one shard.
+    reward_timeout_s: float = 300.0
 
     @property
     def directory(self) -> Path:
@@ -52,6 +57,8 @@ class IterationReport:
     shards_skipped: int
     rows: int
     seconds: float
+    #: Time spent waiting for rewards (the flow waits; the reward runs in Ray).
+    reward_seconds: float = 0.0
 
 
 @task(
@@ -65,9 +72,11 @@ def generate_rollouts(
     plan: GenerationPlan,
     progress_id: UUID,
     policy: Any = None,
+    scorer: Any = None,
 ) -> IterationReport:
     """`policy`: the trainer of an on-policy run; a replacement engine gets its
-    current weights before any work, so an iteration never mixes versions."""
+    current weights before any work, so an iteration never mixes versions.
+    `scorer`: a `RewardScorer` actor scoring each shard before it is written."""
     logger = get_run_logger()
     began = time.monotonic()
     # A retry after an engine failure: the dead engine is replaced first (same
@@ -78,7 +87,7 @@ def generate_rollouts(
             report = get(policy.sync_weights.remote(list(pool.engines)), plan.ready_timeout_s)
             logger.info("replacement engine synced to weight version %d", report["version"])
 
-    store = ShardStore(plan.directory, plan.output_format)
+    store = ShardStore(plan.directory, plan.output_format, prompts.columns)
     store.remove_partial_files()
     shards = plan_shards(len(prompts), plan.shard_size)
     todo = [shard for shard in shards if not store.is_done(shard)]
@@ -93,7 +102,7 @@ def generate_rollouts(
         handle = pool.engines[engine]
         return [
             handle.generate_text.remote(
-                prompts.texts[i],
+                prompts.records[i].prompt,
                 plan.sampling.model_copy(update={"seed": seed_of(i)}),
             )
             for i in range(shard.start, shard.stop)
@@ -102,18 +111,27 @@ def generate_rollouts(
     def seed_of(prompt_index: int) -> int:
         return request_seed(plan.base_seed, plan.iteration, prompt_index, len(prompts))
 
+    reward_seconds = 0.0
+
     def on_done(shard: Shard, engine: int, results: list, seconds: float) -> None:
-        nonlocal done
-        rows = []
+        nonlocal done, reward_seconds
+        rows, inputs = [], []
         for i, (output,) in zip(range(shard.start, shard.stop), results, strict=True):
-            rows += rows_for(
+            record = prompts.records[i]
+            for row in rows_for(
                 output,
                 iteration=plan.iteration,
                 prompt_index=i,
-                prompt=prompts.texts[i],
+                prompt=record.prompt,
                 seed=seed_of(i),
                 with_logprobs=plan.sampling.logprobs is not None,
-            )
+            ):
+                rows.append(with_input(row, record))
+                inputs.append(record)
+        if scorer is not None:
+            started = time.monotonic()
+            add_rewards(rows, inputs, scorer, plan.reward_timeout_s)
+            reward_seconds += time.monotonic() - started
         store.write(shard, rows)
         stats = pool.stats[engine]
         stats.prompts += len(shard)
@@ -146,4 +164,36 @@ def generate_rollouts(
         shards_skipped=len(shards) - len(todo),
         rows=len(prompts) * plan.sampling.n,
         seconds=round(time.monotonic() - began, 2),
+        reward_seconds=round(reward_seconds, 3),
     )
+
+
+def add_rewards(
+    rows: list[dict[str, Any]], inputs: list[PromptRecord], scorer: Any, timeout_s: float
+) -> None:
+    """Score one shard's rows (`inputs`: each row's input record) in Ray, then
+    set each row's reward and its advantage within its prompt's group, as the
+    policy step computes it."""
+    samples = [
+        RewardInput(
+            id=record.id,
+            sample=row["sample_index"],
+            prompt=row["prompt"],
+            response=row["response"],
+            prompt_token_ids=row["prompt_token_ids"],
+            response_token_ids=row["response_token_ids"],
+            label=record.label,
+            metadata=record.metadata,
+        )
+        for row, record in zip(rows, inputs, strict=True)
+    ]
+    rewards = score_remote(scorer, samples, timeout_s)
+    groups: dict[int, list[int]] = {}
+    for position, (row, reward) in enumerate(zip(rows, rewards, strict=True)):
+        row["reward"] = reward
+        groups.setdefault(row["prompt_index"], []).append(position)
+    for positions in groups.values():
+        positions.sort(key=lambda p: rows[p]["sample_index"])
+        advantages = group_advantages([rows[p]["reward"] for p in positions])
+        for p, advantage in zip(positions, advantages, strict=True):
+            rows[p]["advantage"] = advantage

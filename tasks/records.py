@@ -1,5 +1,7 @@
 """One output row per sample: what a rollout record holds and how it is
-built from an engine's `RequestOutput`."""
+built from an engine's `RequestOutput`. Beside the engine's fields a row
+carries its input row's id, label and metadata columns, and (on-policy runs)
+the reward and the advantage the policy step used."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from typing import Any
 from engines.outputs import RequestOutput
 
 
-def arrow_schema():
-    """The output's columns, in order, with their Parquet types."""
+def arrow_schema(input_columns=None):
+    """The output's columns, in order, with their Parquet types; then the
+    columns the input brings (`Prompts.columns`: id, label, metadata)."""
     import pyarrow as pa
 
     top_entry = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
@@ -31,8 +34,17 @@ def arrow_schema():
             ("engine", pa.string()),
             ("weight_version", pa.int64()),
             ("seed", pa.int64()),
+            ("reward", pa.float64()),
+            ("advantage", pa.float64()),
         ]
+        + list(input_columns or [])
     )
+
+
+def output_columns() -> set[str]:
+    """Column names a row has before its input's metadata columns (an input
+    column of the same name would clash)."""
+    return set(arrow_schema().names) | {"id", "label"}
 
 
 def request_seed(base_seed: int, iteration: int, prompt_index: int, num_prompts: int) -> int:
@@ -81,6 +93,14 @@ def rows_for(
                 "engine": output.engine,
                 "weight_version": output.weight_version,
                 "seed": seed,
+                "reward": None,
+                "advantage": None,
             }
         )
     return rows
+
+
+def with_input(row: dict[str, Any], record: Any) -> dict[str, Any]:
+    """`row` with its input row's id, label and metadata columns
+    (`record`: a `tasks.prompts.PromptRecord`)."""
+    return {**row, "id": record.id, "label": record.label, **record.metadata}

@@ -62,13 +62,13 @@ def leftover_prefixes(run_id: str) -> set[str]:
 
 
 def sweep_run(run_id: str, timeout_s: float = 30.0) -> list[str]:
-    """Kill the run's engines and policy actors and remove its placement
+    """Kill the run's engines, policy and reward actors and remove its placement
     groups, every attempt's; idempotent. Returns the prefixes that had
     something left."""
     prefixes = sorted(leftover_prefixes(run_id))
     for prefix in prefixes:
         destroy_engines(name_prefix=prefix, namespace=run_namespace(run_id), timeout_s=timeout_s)
-    policy = re.compile(rf"^rf-{re.escape(run_id)}-a\d+-policy$")
+    policy = re.compile(rf"^rf-{re.escape(run_id)}-a\d+-(policy|reward)$")
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == run_namespace(run_id) and policy.match(actor["name"]):
             try:

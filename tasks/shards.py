@@ -5,7 +5,11 @@ row of its prompts or does not exist. A rerun skips the shards that exist.
 Layout of one run (a flow run id keeps it across "Retry" of the run):
 
     <output_dir>/<run id>/run.json             what the shards were made from
-    <output_dir>/<run id>/iter-000/shard-00000.jsonl   (and/or .parquet)
+    <output_dir>/<run id>/iter-000/shard-00000.parquet   (or .jsonl)
+
+One format per run, so `pandas.read_parquet(<run>/iter-000)` and
+`datasets.load_dataset("parquet", data_files="<run>/iter-*/*.parquet")` read
+the shards as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = {"jsonl": ("jsonl",), "parquet": ("parquet",), "both": ("jsonl", "parquet")}
+FORMATS = ("parquet", "jsonl")
 MANIFEST = "run.json"
 
 
@@ -74,29 +78,32 @@ def prepare_run_dir(run_dir: str | Path, manifest: dict[str, Any]) -> Path:
 
 
 class ShardStore:
-    """The shards of one iteration."""
+    """The shards of one iteration. `input_columns`: the Parquet types of the
+    columns the input brings (`Prompts.columns`)."""
 
-    def __init__(self, directory: str | Path, output_format: str = "jsonl"):
+    def __init__(
+        self, directory: str | Path, output_format: str = "parquet", input_columns: Any = None
+    ):
         if output_format not in FORMATS:
-            raise ValueError(
-                f"output_format must be one of {sorted(FORMATS)}, got {output_format!r}"
-            )
+            raise ValueError(f"output_format must be one of {FORMATS}, got {output_format!r}")
         self.directory = Path(directory)
-        self.suffixes = FORMATS[output_format]
+        self.suffix = output_format
+        self.input_columns = input_columns
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def paths(self, shard: Shard) -> list[Path]:
-        return [self.directory / f"shard-{shard.index:05d}.{suffix}" for suffix in self.suffixes]
+    def path(self, shard: Shard) -> Path:
+        return self.directory / f"shard-{shard.index:05d}.{self.suffix}"
 
     def is_done(self, shard: Shard) -> bool:
-        return all(path.exists() for path in self.paths(shard))
+        return self.path(shard).exists()
 
     def write(self, shard: Shard, rows: list[dict[str, Any]]) -> None:
-        for path in self.paths(shard):
-            if path.suffix == ".parquet":
-                write_parquet_atomically(path, rows)
-            else:
-                write_atomically(path, (json.dumps(row, ensure_ascii=False) for row in rows))
+        path = self.path(shard)
+        if self.suffix == "parquet":
+            write_parquet_atomically(path, rows, self.input_columns)
+        else:
+            lines = (json.dumps(row, ensure_ascii=False, default=str) for row in rows)
+            write_atomically(path, lines)
 
     def remove_partial_files(self) -> None:
         # Temporary files of an attempt that was killed mid-write: never read,
@@ -124,15 +131,24 @@ def write_atomically(path: Path, lines: Iterable[str]) -> None:
     fsync_dir(path.parent)
 
 
-def write_parquet_atomically(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_parquet_atomically(
+    path: Path, rows: list[dict[str, Any]], input_columns: Any = None
+) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from tasks.prompts import is_json_text
     from tasks.records import arrow_schema
 
+    schema = arrow_schema(input_columns)
+    as_json = [field.name for field in schema if is_json_text(field)]
+    if as_json:
+        rows = [
+            {**row, **{k: json.dumps(row.get(k), default=str) for k in as_json}} for row in rows
+        ]
     tmp = temporary_path(path)
     try:
-        pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema()), tmp)
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
         with tmp.open("rb") as written:
             os.fsync(written.fileno())
         os.replace(tmp, path)

@@ -1,5 +1,5 @@
 """Prefect tasks of the trainer: start the policy actor, and one training
-step on an iteration's rollouts (scored by a reward given by import path).
+step on an iteration's rollouts (whose rows carry their rewards).
 
 Handles pass between tasks unhashed and unpersisted (`NO_CACHE`,
 `persist_result=False`); results are plain metrics dicts for the run's table.
@@ -18,7 +18,6 @@ from engines.client import get
 from tasks.shards import read_rows
 from training.config import PolicyConfig
 from training.policy import create_policy_actor
-from training.rewards import load_reward
 from training.rollouts import groups_from_rows
 
 
@@ -50,18 +49,16 @@ def train_on_rollouts(
     policy: Any,
     rollout_dir: str,
     *,
-    reward: str,
     iteration: int,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Score the rollouts in `rollout_dir` with `reward` ("module:function")
-    and take one policy step on them. Returns the iteration's metrics."""
+    """One policy step on the scored rollouts in `rollout_dir`. Returns the
+    iteration's metrics."""
     logger = get_run_logger()
-    reward_fn = load_reward(reward)  # a bad path fails before any work
     rows = read_rows(rollout_dir)
     if not rows:
         raise ValueError(f"no rollouts in {rollout_dir}")
-    groups = groups_from_rows(rows, reward_fn)
+    groups = groups_from_rows(rows)
     metrics = get(policy.train_step.remote([g.model_dump() for g in groups]), timeout_s, "policy")
     result = {"iteration": iteration, **metrics}
     logger.info(

@@ -4,7 +4,6 @@ that generated it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -48,10 +47,8 @@ class RolloutGroup(BaseModel):
         return [float(s.reward) for s in self.samples]
 
 
-def groups_from_outputs(
-    outputs: list[Any], reward_fn: Callable[[RolloutSample], float] | None = None
-) -> list[RolloutGroup]:
-    """One group per `RequestOutput` (its `n` completions), scored by `reward_fn`."""
+def groups_from_outputs(outputs: list[Any]) -> list[RolloutGroup]:
+    """One group per `RequestOutput` (its `n` completions), not yet scored."""
     groups = []
     for output in outputs:
         samples = []
@@ -62,26 +59,23 @@ def groups_from_outputs(
                     float(step[tok])
                     for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
                 ]
-            sample = RolloutSample(
-                prompt_token_ids=list(output.prompt_token_ids),
-                completion_token_ids=list(completion.token_ids),
-                completion_text=completion.text,
-                logprobs=logprobs,
-                weight_version=output.weight_version,
+            samples.append(
+                RolloutSample(
+                    prompt_token_ids=list(output.prompt_token_ids),
+                    completion_token_ids=list(completion.token_ids),
+                    completion_text=completion.text,
+                    logprobs=logprobs,
+                    weight_version=output.weight_version,
+                )
             )
-            if reward_fn is not None:
-                sample.reward = float(reward_fn(sample))
-            samples.append(sample)
         groups.append(RolloutGroup(samples=samples))
     return groups
 
 
-def groups_from_rows(
-    rows: list[dict[str, Any]], reward_fn: Callable[[RolloutSample], float] | None = None
-) -> list[RolloutGroup]:
+def groups_from_rows(rows: list[dict[str, Any]]) -> list[RolloutGroup]:
     """One group per prompt from the rollout rows the flow writes (columns of
     `tasks/records.py`: prompt_index, sample_index, prompt_token_ids,
-    response_token_ids, response, logprobs, weight_version), scored by `reward_fn`."""
+    response_token_ids, response, logprobs, weight_version, reward)."""
     by_prompt: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         by_prompt.setdefault(int(row["prompt_index"]), []).append(row)
@@ -89,16 +83,16 @@ def groups_from_rows(
     for index in sorted(by_prompt):
         samples = []
         for row in sorted(by_prompt[index], key=lambda r: r["sample_index"]):
-            sample = RolloutSample(
-                prompt_token_ids=row["prompt_token_ids"],
-                completion_token_ids=row["response_token_ids"],
-                completion_text=row.get("response") or "",
-                logprobs=row.get("logprobs"),
-                weight_version=row["weight_version"],
+            samples.append(
+                RolloutSample(
+                    prompt_token_ids=row["prompt_token_ids"],
+                    completion_token_ids=row["response_token_ids"],
+                    completion_text=row.get("response") or "",
+                    logprobs=row.get("logprobs"),
+                    weight_version=row["weight_version"],
+                    reward=row.get("reward"),
+                )
             )
-            if reward_fn is not None:
-                sample.reward = float(reward_fn(sample))
-            samples.append(sample)
         groups.append(RolloutGroup(samples=samples))
     return groups
 

@@ -28,6 +28,7 @@ def small_run(model: str, output_dir: Path, address: str | None = None, **overri
         "shard_size": 8,
         "ready_timeout_s": 120,
         "request_timeout_s": 120,
+        "output_format": "jsonl",  # `written_shards` watches JSONL shards appear
     }
     if address:
         params["address"] = address

@@ -51,7 +51,7 @@ def engine_table(flow_run_id) -> list[dict]:
 
 def test_flow_writes_every_rollout_once(ray_local, tiny_model, tmp_path):
     params = RolloutParams(
-        **small_run(tiny_model, tmp_path, iterations=2, logprobs=1, output_format="both")
+        **small_run(tiny_model, tmp_path, iterations=2, logprobs=1, output_format="parquet")
     )
     state = rollout(params, return_state=True)
     assert state.is_completed(), state.message

@@ -30,6 +30,7 @@ def run_flow_cli(ray, model: str, tmp_path, *args: str, timeout_s: float) -> str
         "--output-dir", str(tmp_path / "out"),
         "--address", ray.get_runtime_context().gcs_address,
         "--ready-timeout-s", "300",
+        "--output-format", "jsonl",  # the tests below read JSONL; a later flag wins
         *args,
     ]  # fmt: skip
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"))

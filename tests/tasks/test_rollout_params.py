@@ -8,8 +8,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from engines.sampling import SamplingParams
 from flows.cli import parse_params
-from flows.params import RolloutParams
+from flows.params import SAMPLED_WHEN_SET, RolloutParams
 
 
 def test_defaults_are_the_embedded_demo():
@@ -84,3 +85,67 @@ def test_cli_rejects_a_config_that_is_not_a_mapping(tmp_path):
     config.write_text("- 1\n- 2\n")
     with pytest.raises(SystemExit, match="must hold a mapping"):
         parse_params(["--config", str(config)])
+
+
+#: A non-default value of each of vLLM's per-request fields.
+SAMPLING_VALUES = {
+    "stop": ["\n", "###"],
+    "stop_token_ids": [2, 7],
+    "include_stop_str_in_output": True,
+    "min_tokens": 3,
+    "min_p": 0.05,
+    "repetition_penalty": 1.2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "skip_special_tokens": False,
+}
+
+
+@pytest.mark.parametrize(("name", "value"), SAMPLING_VALUES.items())
+def test_sampling_fields_reach_sampling_params_or_fail_naming_the_field(name, value):
+    """Every field set on the run reaches `SamplingParams`; one that our
+    `SamplingParams` does not have (yet) is refused with its name, never
+    dropped."""
+    params = RolloutParams(**{name: value})
+    if name in SamplingParams.model_fields:
+        assert getattr(params.sampling(), name) == value
+    else:
+        with pytest.raises(ValidationError, match=name):
+            params.sampling()
+
+
+def test_unset_sampling_fields_keep_vllms_defaults():
+    assert RolloutParams().sampling().model_fields_set == {
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_tokens",
+        "ignore_eos",
+        "logprobs",
+    }
+
+
+def test_every_sampling_field_has_a_flag():
+    assert set(SAMPLING_VALUES) == set(SAMPLED_WHEN_SET)
+    params = parse_params(
+        ["--stop", "###", "--stop-token-ids", "[2, 7]", "--min-p", "0.05", "--min-tokens", "3"]
+    )
+    assert (params.stop, params.stop_token_ids, params.min_p) == (["###"], [2, 7], 0.05)
+    assert parse_params(["--stop", '["a", "b"]']).stop == ["a", "b"]
+    assert RolloutParams(stop="x").stop == ["x"]  # vLLM takes one string too
+
+
+def test_task_fields_from_flags():
+    params = parse_params(
+        ["--label-field", "reward_model.ground_truth", "--id-field", "uid"]
+        + ["--apply-chat-template", "true", "--reward-style", "verl"]
+    )
+    assert params.label_field == "reward_model.ground_truth"
+    assert (params.id_field, params.apply_chat_template, params.reward_style) == (
+        "uid",
+        True,
+        "verl",
+    )
+    with pytest.raises(SystemExit, match="reward_style"):
+        parse_params(["--reward-style", "trl"])

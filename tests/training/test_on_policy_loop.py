@@ -1,7 +1,8 @@
 """The on-policy loop on the toy task, through the Prefect tasks the flow
-uses: generate (engines) -> score + train (`train_on_rollouts`) -> sync
-(`sync_weights`) -> generate with the new weights. Real Ray, the tiny model,
-one CPU engine, the reference policy; fixed seeds.
+uses: generate (engines) -> score (the reward actor) -> train
+(`train_on_rollouts`) -> sync (`sync_weights`) -> generate with the new
+weights. Real Ray, the tiny model, one CPU engine, the reference policy;
+fixed seeds.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from prefect import flow
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
+from tasks.generate import add_rewards
+from tasks.prompts import PromptRecord
 from tasks.records import rows_for
 from tasks.shards import read_rows, write_atomically
 from tasks.sync_weights import init_weight_sync, sync_weights
 from tasks.train import start_policy, train_on_rollouts
 from training.policy import PolicyConfig
+from training.rewards import start_reward_scorer
 from training.rollouts import StaleRolloutError, groups_from_rows
 
 REWARD = "training.rewards:target_chars_fraction"
@@ -31,20 +35,24 @@ ITERATIONS = 6
 MIN_GAIN = 0.3
 
 
-def write_rollouts(engine, prompt_ids, directory: Path, iteration: int) -> None:
-    """One iteration's rollouts, as the flow's generate task writes them."""
+def write_rollouts(engine, scorer, prompt_ids, directory: Path, iteration: int) -> None:
+    """One iteration's rollouts, scored, as the flow's generate task writes them."""
     params = SamplingParams(n=8, max_tokens=16, temperature=1.0, logprobs=0)
     outputs = get(engine.generate.remote(prompt_ids, params), 120)
-    rows = []
+    rows, inputs = [], []
     for index, output in enumerate(outputs):
-        rows += rows_for(
+        record = PromptRecord(id=index, prompt=PROMPTS[index], label=None, metadata={})
+        for row in rows_for(
             output,
             iteration=iteration,
             prompt_index=index,
             prompt=PROMPTS[index],
             seed=0,
             with_logprobs=True,
-        )
+        ):
+            rows.append(row)
+            inputs.append(record)
+    add_rewards(rows, inputs, scorer, timeout_s=60)
     directory.mkdir(parents=True)
     write_atomically(directory / "shard-00000.jsonl", [json.dumps(r) for r in rows])
 
@@ -61,6 +69,7 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
         name_prefix="test-loop",
     )
     policy = None
+    scorer = start_reward_scorer(REWARD, "batch")
     try:
         policy = start_policy(
             PolicyConfig(pretrain=model, learning_rate=3e-2, seed=0), ready_timeout_s=180
@@ -71,19 +80,18 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
         trained, synced = [], []
         for iteration in range(ITERATIONS):
             directory = Path(run_dir) / f"iter-{iteration:03d}"
-            write_rollouts(engines[0], prompt_ids, directory, iteration)
-            trained.append(
-                train_on_rollouts(policy, str(directory), reward=REWARD, iteration=iteration)
-            )
+            write_rollouts(engines[0], scorer, prompt_ids, directory, iteration)
+            trained.append(train_on_rollouts(policy, str(directory), iteration=iteration))
             synced.append(sync_weights(policy, engines, iteration=iteration))
         # Rollouts of the first iteration are five versions old by now.
-        old = groups_from_rows(read_rows(Path(run_dir) / "iter-000"), lambda sample: 0.0)
+        old = groups_from_rows(read_rows(Path(run_dir) / "iter-000"))
         with pytest.raises(
             StaleRolloutError, match="rollouts from weight version 0, policy is at 6"
         ):
             get(policy.train_step.remote([g.model_dump() for g in old]), 60, "policy")
         return {"trained": trained, "synced": synced}
     finally:
+        ray.kill(scorer)
         if policy is not None:
             ray.kill(policy)
         destroy_engines(engines)

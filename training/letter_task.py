@@ -1,0 +1,65 @@
+"""A labelled task small enough for the tiny model to learn on a CPU in a
+few GRPO steps: "answer with the last letter of the word". The words use a
+four-letter alphabet, so the answer is one of a, b, c, d and depends on the
+prompt.
+
+    python -m training.letter_task data/letter_task.jsonl   # writes the dataset
+
+Rows: `{"id", "prompt", "answer", "data_source"}`; the verifying reward
+(`reward`, batch style) reads the answer from the row's label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from training.rewards import RewardInput
+
+ALPHABET = "ab"
+DATA_SOURCE = "letter_task"
+
+
+def make_rows(count: int, seed: int = 0, length: int = 4) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        word = "".join(rng.choice(ALPHABET) for _ in range(length))
+        rows.append(
+            {
+                "id": f"letter-{i:04d}",
+                "prompt": f"Last letter of {word}?",
+                "answer": word[-1],
+                "data_source": DATA_SOURCE,
+            }
+        )
+    return rows
+
+
+def score_one(response: str, answer: str) -> float:
+    """The fraction of the response's characters that are the answer: "d" or
+    "dd" is right, "dx" half right, "" wrong."""
+    if not response:
+        return 0.0
+    return sum(ch == answer for ch in response) / len(response)
+
+
+def reward(samples: list[RewardInput]) -> list[float]:
+    """The task's verifier (batch style: `--reward training.letter_task:reward`)."""
+    return [score_one(s.response, s.label) for s in samples]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--count", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rows = make_rows(args.count, args.seed)
+    args.path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+if __name__ == "__main__":
+    main()
