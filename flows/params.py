@@ -97,6 +97,11 @@ class RolloutParams(BaseModel):
         "out", min_length=1, description="Each run writes under <output_dir>/<flow run id>/."
     )
     output_format: Literal["jsonl", "parquet", "both"] = Field("jsonl")
+    logger: Literal["none", "tensorboard", "wandb"] = Field(
+        "none",
+        description="Where the per-iteration metrics also go: TensorBoard event files under "
+        "the run directory (offline), or Weights & Biases (needs the wandb package).",
+    )
 
     # --- cluster and failure handling ------------------------------------------
     address: str | None = Field(
