@@ -9,7 +9,6 @@ possibly in a worker thread) feeds it after each shard it writes.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from datetime import timedelta
 
@@ -23,10 +22,11 @@ class RunProgress:
     """Use as a context manager around the run's iterations."""
 
     def __init__(self, console: Console | None = None):
-        console = console or Console(stderr=True)
+        console = console or log_console() or Console(stderr=True)
         self.bars = Progress(
             TextColumn("iteration {task.fields[iteration]}"),
-            BarColumn(),
+            # Colours given: Prefect's console theme has none of rich's defaults.
+            BarColumn(style="grey37", complete_style="cyan", finished_style="green"),
             TextColumn("{task.completed}/{task.total} rows"),
             TextColumn("{task.fields[tokens_per_s]} tokens/s"),
             TextColumn("ETA {task.fields[eta]}"),
@@ -34,33 +34,26 @@ class RunProgress:
             console=console,
             disable=not console.is_terminal,
         )
-        self._moved: list[PrefectConsoleHandler] = []
 
     def __enter__(self) -> RunProgress:
-        stderr = sys.stderr
         self.bars.start()
-        if not self.bars.disable:
-            self._logs_above_the_bars(stderr)
         return self
 
     def __exit__(self, *exc) -> None:
-        for handler in self._moved:
-            handler.console.file = handler.stream
-        self._moved.clear()
         self.bars.stop()
 
     def iteration(self, iteration: int, total_rows: int) -> IterationProgress:
         return IterationProgress(self, iteration, total_rows)
 
-    def _logs_above_the_bars(self, stderr) -> None:
-        # Prefect's console handlers hold the stderr of their creation, so
-        # their lines would tear through the bars; rich's proxy of stderr
-        # (installed by start()) prints them above the bars instead.
-        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-            for handler in getattr(logger, "handlers", []):
-                if isinstance(handler, PrefectConsoleHandler) and handler.console.file is stderr:
-                    handler.console.file = sys.stderr
-                    self._moved.append(handler)
+
+def log_console() -> Console | None:
+    """The console of Prefect's log handler: bars drawn through it keep the
+    run's log lines above them (each line would tear through bars drawn by
+    another console on the same terminal)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            return handler.console
+    return None
 
 
 class IterationProgress:
