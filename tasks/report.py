@@ -143,7 +143,7 @@ def curves_markdown(metrics: list[IterationMetrics], png: Path | None) -> str:
         cells = [str(m.iteration), str(m.rows)]
         for c in curves:
             value = getattr(m, c.field)
-            text = "" if value is None else f"{value:.3g}"
+            text = "" if value is None else compact(value)
             if c.spread and value is not None and getattr(m, c.spread) is not None:
                 text += f" ± {getattr(m, c.spread):.2g}"
             cells.append(text)
@@ -158,10 +158,15 @@ def terminal_curves(metrics: list[IterationMetrics]) -> list[str]:
     curves = present(metrics)
     width = max((len(c.label) for c in curves), default=0)
     return [
-        f"{c.label:<{width}}  {ys[0]:>8.3g} {sparkline(ys)} {ys[-1]:.3g}"
+        f"{c.label:<{width}}  {compact(ys[0]):>8} {sparkline(ys)} {compact(ys[-1])}"
         for c in curves
         for _, ys in [points(metrics, c.field)]
     ]
+
+
+def compact(value: float) -> str:
+    """Three significant digits, without an exponent for large values."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 def sparkline(values: list[float]) -> str:

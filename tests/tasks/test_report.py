@@ -11,6 +11,7 @@ from PIL import Image
 from tasks.generate import IterationReport
 from tasks.report import (
     IterationMetrics,
+    compact,
     curves_markdown,
     sparkline,
     terminal_curves,
@@ -97,3 +98,8 @@ def test_terminal_curves_show_first_last_and_the_shape():
 @pytest.mark.parametrize("values, line", [([0, 1], "▁█"), ([3, 3, 3], "▅▅▅"), ([1, 0.5, 0], "█▅▁")])
 def test_sparkline(values, line):
     assert sparkline(values) == line
+
+
+@pytest.mark.parametrize("value, text", [(1917.6, "1918"), (0.07862, "0.0786"), (15.62, "15.6")])
+def test_compact(value, text):
+    assert compact(value) == text
