@@ -43,6 +43,9 @@ class RunProgress:
         self.bars.stop()
 
     def iteration(self, iteration: int, total_rows: int) -> IterationProgress:
+        # One bar on screen: the current iteration's (a long run has many).
+        for bar in self.bars.task_ids:
+            self.bars.update(bar, visible=False)
         return IterationProgress(self, iteration, total_rows)
 
 

@@ -72,3 +72,11 @@ def test_quiet_off_a_terminal(artifact_calls):
         run.iteration(0, total_rows=8).written(8, tokens=64, restarts=0)
     assert out.getvalue() == ""
     assert artifact_calls[-1]["progress"] == 100.0  # the artifact still follows
+
+
+def test_only_the_current_iteration_has_a_bar(artifact_calls):
+    console, _ = prefect_like_console(force_terminal=True)
+    with RunProgress(console) as run:
+        run.iteration(0, total_rows=8).written(8, tokens=64, restarts=0)
+        run.iteration(1, total_rows=8)
+        assert [task.visible for task in run.bars.tasks] == [False, True]
