@@ -89,6 +89,7 @@ def parse_params(argv: list[str] | None = None) -> RolloutParams:
 def main(argv: list[str] | None = None) -> int:
     params = parse_params(argv)
     from flows.rollout import rollout  # imports Prefect: after the checks, which are instant
+    from tasks.report import terminal_curves
 
     try:
         summary = rollout(params)
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({step['sync_bytes'] / 1e6:.1f} MB in {step['sync_seconds']:.3f} s)"
         )
     print(f"\n{summary.rows} rollouts written to {summary.output_dir}")
+    if summary.curves:
+        print("\n" + "\n".join(terminal_curves(summary.metrics)))
+        print(f"curves: {summary.curves}")
     return 0
 
 

@@ -139,6 +139,11 @@ class RolloutParams(BaseModel):
     output_format: Literal["parquet", "jsonl"] = Field(
         "parquet", description="Format of the shards (one per run)."
     )
+    logger: Literal["none", "tensorboard", "wandb"] = Field(
+        "none",
+        description="Where the per-iteration metrics also go: TensorBoard event files under "
+        "the run directory (offline), or Weights & Biases (needs the wandb package).",
+    )
 
     # --- cluster and failure handling ------------------------------------------
     address: str | None = Field(

@@ -19,19 +19,17 @@ from prefect.runtime import flow_run
 
 from flows.hooks import sweep_engines
 from flows.params import RolloutParams
-from tasks.artifacts import (
-    publish_engine_table,
-    publish_summary,
-    publish_training_table,
-    start_progress,
-)
+from tasks.artifacts import publish_engine_table, publish_summary, publish_training_table
 from tasks.cluster import provision_cluster
 from tasks.engines import create_engines, resolve_model, teardown, wait_until_ready
 from tasks.generate import GenerationPlan, IterationReport, generate_rollouts
+from tasks.loggers import MetricsLogger, check_logger, open_logger
 from tasks.pool import EnginePool
+from tasks.progress import RunProgress
 from tasks.prompts import PromptFields, load_prompts
+from tasks.report import CURVES_FILE, IterationMetrics, curves_markdown, write_curves_png
 from tasks.scope import RunScope
-from tasks.shards import plan_shards, prepare_run_dir, set_aside_iterations, write_atomically
+from tasks.shards import prepare_run_dir, set_aside_iterations, write_atomically
 from tasks.sync_weights import init_weight_sync, sync_weights
 from tasks.train import start_policy, train_on_rollouts
 from training.config import PolicyConfig
@@ -53,6 +51,10 @@ class RunSummary:
     iterations: list[IterationReport]
     #: On-policy runs: per iteration, the policy step and the sync after it.
     training: list[dict]
+    #: Per iteration: what the curves show.
+    metrics: list[IterationMetrics]
+    #: The curves as a PNG (None when there is nothing to draw).
+    curves: str | None
 
 
 @flow(
@@ -73,6 +75,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     params.sampling()
     if params.reward:
         load_reward(params.reward, params.reward_style)  # a bad import path fails here
+    check_logger(params.logger)
     model = resolve_model(params.model)
     prompts = load_prompts(
         params.prompts_path, prompt_fields(params), model, params.apply_chat_template
@@ -96,7 +99,10 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     scorer = None
     reports: list[IterationReport] = []
     training: list[dict] = []
+    metrics: list[IterationMetrics] = []
+    metrics_logger: MetricsLogger | None = None
     try:
+        metrics_logger = open_logger(params.logger, run_dir, scope.run_id, params.model_dump())
         pool = create_engines(
             scope=scope,
             cluster=cluster,
@@ -125,15 +131,22 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 namespace=scope.namespace,
             )
         generate = generate_rollouts.with_options(retries=params.engine_retries)
-        for iteration in range(params.iterations):
-            plan = generation_plan(params, run_dir, iteration)
-            progress = start_progress(iteration, 0, len(plan_shards(len(prompts), plan.shard_size)))
-            reports.append(generate(pool, prompts, plan, progress, policy, scorer))
-            if policy is not None:
-                # Iteration + 1 samples from the weights trained on this one.
-                step = train_on_rollouts(policy, reports[-1].directory, iteration=iteration)
-                synced = sync_weights(policy, list(pool.engines), iteration=iteration)
-                training.append(training_row(step, synced, reports[-1]))
+        with RunProgress() as progress:
+            for iteration in range(params.iterations):
+                plan = generation_plan(params, run_dir, iteration)
+                bar = progress.iteration(iteration, len(prompts) * params.n)
+                report = generate(pool, prompts, plan, bar, policy, scorer)
+                reports.append(report)
+                step = synced = None
+                if policy is not None:
+                    # Iteration + 1 samples from the weights trained on this one.
+                    step = train_on_rollouts(policy, report.directory, iteration=iteration)
+                    synced = sync_weights(policy, list(pool.engines), iteration=iteration)
+                    training.append(training_row(step, synced, report))
+                metrics.append(IterationMetrics.of(report, step, synced))
+                if metrics_logger is not None:
+                    metrics_logger.log(metrics[-1])
+        curves = write_curves_png(metrics, run_dir / CURVES_FILE)
         summary = RunSummary(
             run_id=scope.run_id,
             attempt=scope.attempt,
@@ -143,12 +156,16 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             seconds=round(time.monotonic() - began, 2),
             iterations=reports,
             training=training,
+            metrics=metrics,
+            curves=str(curves) if curves else None,
         )
         write_atomically(run_dir / SUMMARY_FILE, [json.dumps(asdict(summary), indent=2)])
-        publish_summary(summary_markdown(summary, pool))
+        publish_summary(summary_markdown(summary, pool) + "\n\n" + curves_markdown(metrics, curves))
         logger.info("%d rollouts written to %s", summary.rows, run_dir)
         return summary
     finally:
+        if metrics_logger is not None:
+            metrics_logger.close()
         try:
             if scorer is not None:
                 ray.kill(scorer, no_restart=True)
@@ -197,6 +214,7 @@ def training_row(step: dict, synced: dict, report: IterationReport) -> dict:
     return {
         "iteration": step["iteration"],
         "mean_reward": round(step["mean_reward"], 4),
+        "reward_std": round(step["reward_std"], 4),
         "samples": step["samples"],
         "reward_seconds": report.reward_seconds,
         "weight_version": synced["version"],
@@ -242,18 +260,6 @@ def summary_markdown(summary: RunSummary, pool: EnginePool) -> str:
         f"| {r.iteration} | {r.shards} | {r.shards_skipped} | {r.rows} | {r.seconds:.1f} |"
         for r in summary.iterations
     ]
-    if summary.training:
-        lines += [
-            "",
-            "| iteration | mean reward | reward seconds | weight version | sync seconds | GB/s |",
-            "|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {t['iteration']} | {t['mean_reward']:.3f} | {t['reward_seconds']:.2f} "
-            f"| {t['weight_version']} "
-            f"| {t['sync_seconds']:.3f} | {t['sync_gb_per_s']:.3f} |"
-            for t in summary.training
-        ]
     return "\n".join(lines)
 
 

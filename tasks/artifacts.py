@@ -1,36 +1,15 @@
-"""The run's Prefect artifacts: generation progress, a per-engine table and a
-markdown summary."""
+"""The run's Prefect artifacts: a per-engine table, a training table and a
+markdown summary (generation progress: tasks/progress.py)."""
 
 from __future__ import annotations
 
-from uuid import UUID
-
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.pool import EnginePool
 
 ENGINES_KEY = "rollout-engines"
 SUMMARY_KEY = "rollout-summary"
 TRAINING_KEY = "rollout-training"
-
-
-def start_progress(iteration: int, done: int, total: int) -> UUID:
-    return create_progress_artifact(
-        progress=percent(done, total), description=f"Iteration {iteration}: shards written"
-    )
-
-
-def update_progress(artifact_id: UUID, done: int, total: int) -> None:
-    update_progress_artifact(artifact_id, progress=percent(done, total))
-
-
-def percent(done: int, total: int) -> float:
-    return round(100.0 * done / total, 1) if total else 100.0
 
 
 def publish_engine_table(pool: EnginePool) -> None:

@@ -8,17 +8,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import SamplingParams
 from engines.client import get
-from tasks.artifacts import update_progress
 from tasks.dispatch import run_shards
 from tasks.engines import retry_on_engine_failure, wait_ready
 from tasks.pool import EnginePool
+from tasks.progress import IterationProgress
 from tasks.prompts import PromptRecord, Prompts
 from tasks.records import request_seed, rows_for, with_input
 from tasks.shards import Shard, ShardStore, plan_shards
@@ -57,6 +56,9 @@ class IterationReport:
     shards_skipped: int
     rows: int
     seconds: float
+    #: Rows and response tokens this try generated (reused shards not counted).
+    generated_rows: int
+    generated_tokens: int
     #: Time spent waiting for rewards (the flow waits; the reward runs in Ray).
     reward_seconds: float = 0.0
 
@@ -70,7 +72,7 @@ def generate_rollouts(
     pool: EnginePool,
     prompts: Prompts,
     plan: GenerationPlan,
-    progress_id: UUID,
+    progress: IterationProgress,
     policy: Any = None,
     scorer: Any = None,
 ) -> IterationReport:
@@ -96,7 +98,9 @@ def generate_rollouts(
         logger.info(
             "iteration %d: %d of %d shards already written", plan.iteration, done, len(shards)
         )
-    update_progress(progress_id, done, len(shards))
+    reused_rows = (len(prompts) - sum(len(shard) for shard in todo)) * plan.sampling.n
+    progress.reused(reused_rows, restarts(pool))
+    generated_rows = generated_tokens = 0
 
     def submit(engine: int, shard: Shard) -> list:
         handle = pool.engines[engine]
@@ -114,7 +118,7 @@ def generate_rollouts(
     reward_seconds = 0.0
 
     def on_done(shard: Shard, engine: int, results: list, seconds: float) -> None:
-        nonlocal done, reward_seconds
+        nonlocal done, reward_seconds, generated_rows, generated_tokens
         rows, inputs = [], []
         for i, (output,) in zip(range(shard.start, shard.stop), results, strict=True):
             record = prompts.records[i]
@@ -136,9 +140,12 @@ def generate_rollouts(
         stats = pool.stats[engine]
         stats.prompts += len(shard)
         stats.samples += len(rows)
-        stats.tokens += sum(len(row["response_token_ids"]) for row in rows)
+        tokens = sum(len(row["response_token_ids"]) for row in rows)
+        stats.tokens += tokens
         done += 1
-        update_progress(progress_id, done, len(shards))
+        generated_rows += len(rows)
+        generated_tokens += tokens
+        progress.written(len(rows), tokens, restarts(pool))
         logger.info(
             "iteration %d: shard %d written by %s in %.1fs (%d/%d)",
             plan.iteration,
@@ -164,6 +171,8 @@ def generate_rollouts(
         shards_skipped=len(shards) - len(todo),
         rows=len(prompts) * plan.sampling.n,
         seconds=round(time.monotonic() - began, 2),
+        generated_rows=generated_rows,
+        generated_tokens=generated_tokens,
         reward_seconds=round(reward_seconds, 3),
     )
 
@@ -197,3 +206,7 @@ def add_rewards(
         advantages = group_advantages([rows[p]["reward"] for p in positions])
         for p, advantage in zip(positions, advantages, strict=True):
             rows[p]["advantage"] = advantage
+
+
+def restarts(pool: EnginePool) -> int:
+    return sum(stats.restarts for stats in pool.stats)

@@ -7,6 +7,7 @@ Handles pass between tasks unhashed and unpersisted (`NO_CACHE`,
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -60,7 +61,8 @@ def train_on_rollouts(
         raise ValueError(f"no rollouts in {rollout_dir}")
     groups = groups_from_rows(rows)
     metrics = get(policy.train_step.remote([g.model_dump() for g in groups]), timeout_s, "policy")
-    result = {"iteration": iteration, **metrics}
+    rewards = [r for group in groups for r in group.rewards]
+    result = {"iteration": iteration, **metrics, "reward_std": statistics.pstdev(rewards)}
     logger.info(
         "iteration %d: mean reward %.4f over %d samples; policy now at version %d",
         iteration,
