@@ -105,7 +105,7 @@ def generate_rollouts(
     def on_done(shard: Shard, engine: int, results: list, seconds: float) -> None:
         nonlocal done
         rows = []
-        for i, (output,) in zip(range(shard.start, shard.stop), results, strict=True):
+        for i, output in zip(range(shard.start, shard.stop), results, strict=True):
             rows += rows_for(
                 output,
                 iteration=plan.iteration,

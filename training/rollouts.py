@@ -59,7 +59,7 @@ def groups_from_outputs(
             logprobs = None
             if completion.logprobs is not None:
                 logprobs = [
-                    float(step[tok])
+                    float(step[tok].logprob)
                     for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
                 ]
             sample = RolloutSample(

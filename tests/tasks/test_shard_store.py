@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from engines.outputs import CompletionOutput, RequestOutput
+from engines.outputs import CompletionOutput, Logprob, RequestOutput
 from tasks.records import rows_for
 from tasks.shards import (
     OutputMismatchError,
@@ -39,7 +39,10 @@ def sample_rows(shard: Shard) -> list[dict]:
                 token_ids=[5, 6],
                 text="hi",
                 finish_reason="length",
-                logprobs=[{5: -0.5, 9: -1.0}, {6: -0.25, 7: -0.1}],
+                logprobs=[
+                    {5: Logprob(-0.5), 9: Logprob(-1.0)},
+                    {6: Logprob(-0.25), 7: Logprob(-0.1)},
+                ],
                 cumulative_logprob=-0.75,
             )
         ],
