@@ -1,41 +1,130 @@
 """Admission of requests into an engine actor, closed while its weights change.
 
-`close()` stops letting requests in and returns once every request already in
-has finished; `open()` lets the waiting ones in. A request is stamped with the
-weight version when it gets in, so it always runs on the weights it names.
+The contract the weight sync relies on: **when `close()` returns, no request
+is running a forward pass, and none starts one until `open()`.** How requests
+already in are handled is the pause mode (vLLM's names):
+
+- "keep": the backend freezes them between two steps; they continue after
+  `open()`. A frozen request counts as quiescent: a sync may load weights
+  under it. Both backends then recompute a frozen request's KV cache before
+  its next step, so no token after the sync is computed from old keys and
+  values (vLLM: `pause_generation(mode="keep")` clears its caches).
+- "wait": they run to completion first.
+- "abort": the backend ends them at once (finish_reason "abort"), as vLLM does.
+
+New requests wait at the door in every mode. Closes nest: the door opens at
+the `open()` matching the first `close()` (a trainer's own pause around a
+sync's pause and resume); a nested close only waits for the first to have
+taken effect (and aborts, in mode "abort").
+
+Each admitted call holds a `Ticket` whose `versions` are the weight versions
+served while it was inside: `open()` appends the version then served to every
+ticket still inside, so an output frozen across a sync says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+@dataclass(eq=False)  # one per call, by identity
+class Ticket:
+    versions: list[int] = field(default_factory=list)
+
+
+Step = Callable[[], Awaitable[None]]
 
 
 class Admission:
-    def __init__(self) -> None:
+    """`freeze` stops every request in flight between two steps and returns
+    once none is in one; `thaw` lets them continue; `abort` ends them now
+    (finish_reason "abort"); `version` is the weight version served."""
+
+    def __init__(self, *, freeze: Step, thaw: Step, abort: Step, version: Callable[[], int]):
+        self._freeze, self._thaw, self._abort_requests = freeze, thaw, abort
+        self._version = version
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._inside = 0
+        self._tickets: set[Ticket] = set()
+        self._closes = 0
+        self._frozen = False
+        self._quiet: Awaitable[None] | None = None  # the first close, while it runs
+
+    @property
+    def closed(self) -> bool:
+        return self._closes > 0
 
     @asynccontextmanager
     async def request(self):
-        """Wait until admission is open, then hold a place until the block ends."""
+        """Wait until admission is open, then hold a place (and a Ticket
+        stamped with the version served) until the block ends."""
         while not self._open.is_set():
             await self._open.wait()
-        self._inside += 1
+        ticket = Ticket([self._version()])
+        self._tickets.add(ticket)
         self._idle.clear()
         try:
-            yield
+            yield ticket
         finally:
-            self._inside -= 1
-            if not self._inside:
+            self._tickets.discard(ticket)
+            if not self._tickets:
                 self._idle.set()
 
-    async def close(self) -> None:
+    async def close(self, mode: str = "keep") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._closes += 1
         self._open.clear()
+        try:
+            if self._closes > 1:
+                if self._quiet is not None:
+                    await asyncio.shield(self._quiet)
+                if mode == "abort":
+                    await self._abort()
+                return
+            self._quiet = asyncio.ensure_future(self._quiesce(mode))
+            await asyncio.shield(self._quiet)
+        except BaseException:
+            await self.open()
+            raise
+
+    async def _quiesce(self, mode: str) -> None:
+        if not self._tickets:
+            return  # nothing in flight: no round trip to the engine (a sync's fast path)
+        if mode == "keep":
+            await self._freeze()
+            self._frozen = True
+        elif mode == "abort":
+            await self._abort()
+        else:
+            await self._idle.wait()
+
+    async def _abort(self) -> None:
+        # Frozen requests are ended where they are, never thawed first: a sync
+        # may be loading weights under them.
+        await self._abort_requests()
         await self._idle.wait()
 
-    def open(self) -> None:
+    async def open(self) -> None:
+        """Undo one `close()`; the last one lets requests continue and in."""
+        if self._closes == 0:
+            return
+        self._closes -= 1
+        if self._closes:
+            return
+        self._quiet = None
+        served = self._version()
+        for ticket in self._tickets:
+            if ticket.versions[-1] != served:
+                ticket.versions.append(served)
+        if self._frozen:
+            self._frozen = False
+            await self._thaw()
         self._open.set()

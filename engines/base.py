@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from engines.admission import Admission
 from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, PromptTooLongError, RequestError
 from engines.outputs import RequestOutput
@@ -36,23 +37,34 @@ def wake_tags(tags: list[str] | None) -> set[str]:
     return chosen
 
 
-def normalize_prompts(prompt_token_ids: Any) -> list[list[int]]:
-    """One prompt (list of ints) or a batch (list of lists) -> a batch."""
-    if not isinstance(prompt_token_ids, list | tuple) or len(prompt_token_ids) == 0:
+def normalize_prompts(prompts: Any) -> tuple[list[list[int]], bool]:
+    """One prompt or a batch -> (the batch, whether it was one prompt).
+
+    A prompt is a list of token ids or a TokensPrompt-like dict
+    (`{"prompt_token_ids": [...]}`), as vLLM takes them."""
+    if isinstance(prompts, dict):
+        return [_token_ids(prompts, 0)], True
+    if not isinstance(prompts, list | tuple) or len(prompts) == 0:
         raise RequestError(
             f"prompt_token_ids must be a non-empty list of token ids or of such lists, "
-            f"got {type(prompt_token_ids).__name__} {str(prompt_token_ids)[:80]}"
+            f"got {type(prompts).__name__} {str(prompts)[:80]}"
         )
-    if all(isinstance(t, int) for t in prompt_token_ids):
-        return [list(prompt_token_ids)]
-    batch = []
-    for i, prompt in enumerate(prompt_token_ids):
-        if not isinstance(prompt, list | tuple) or not prompt:
-            raise RequestError(f"prompt {i} is not a non-empty list of token ids: {prompt!r:.80}")
-        if not all(isinstance(t, int) for t in prompt):
-            raise RequestError(f"prompt {i} holds non-integer token ids: {prompt!r:.80}")
-        batch.append(list(prompt))
-    return batch
+    if all(isinstance(t, int) for t in prompts):
+        return [list(prompts)], True
+    return [_token_ids(prompt, i) for i, prompt in enumerate(prompts)], False
+
+
+def _token_ids(prompt: Any, i: int) -> list[int]:
+    if isinstance(prompt, dict):
+        extra = set(prompt) - {"prompt_token_ids"}
+        if extra:
+            raise RequestError(f"prompt {i}: unsupported TokensPrompt keys {sorted(extra)}")
+        prompt = prompt.get("prompt_token_ids")
+    if not isinstance(prompt, list | tuple) or not prompt:
+        raise RequestError(f"prompt {i} is not a non-empty list of token ids: {prompt!r:.80}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise RequestError(f"prompt {i} holds non-integer token ids: {prompt!r:.80}")
+    return list(prompt)
 
 
 @with_weight_methods
@@ -70,22 +82,49 @@ class RolloutEngine(abc.ABC):
         # Tags still asleep after `sleep`; the engine serves only when empty.
         self._asleep: set[str] = set()
         self.weights = WeightSync(self)  # weight sync; its methods delegate to it
+        self._admission = Admission(
+            freeze=self._freeze,
+            thaw=self._thaw,
+            abort=self._abort_requests,
+            version=lambda: self.weight_version,
+        )
 
     # --- generation ---------------------------------------------------------
-    @abc.abstractmethod
     async def generate(
-        self, prompt_token_ids: list[int] | list[list[int]], sampling_params: Any = None
+        self,
+        prompt_token_ids: Any,
+        sampling_params: Any = None,
+        multi_modal_data: Any = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Generate as vLLM's engine does: one prompt (token ids or a
+        TokensPrompt-like dict) gives one RequestOutput, a list of prompts a
+        list in order; each holds `sampling_params.n` completions. Concurrent
+        calls share batches."""
+        if multi_modal_data:
+            raise RequestError(
+                "multi_modal_data is not supported yet (text-only engines); got keys "
+                f"{sorted(multi_modal_data) if isinstance(multi_modal_data, dict) else '?'}"
+            )
+        prompts, single = normalize_prompts(prompt_token_ids)
+        outputs = await self._generate(prompts, sampling_params)
+        return outputs[0] if single else outputs
+
+    @abc.abstractmethod
+    async def _generate(
+        self, prompts: list[list[int]], sampling_params: Any
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a batch; one RequestOutput per prompt,
-        each with `sampling_params.n` completions. Concurrent calls share batches."""
+        """One RequestOutput per prompt, in order."""
 
     async def generate_text(
         self, prompts: str | list[str], sampling_params: Any = None
-    ) -> list[RequestOutput]:
-        """Text-prompt convenience: tokenize, then `generate`."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        return await self.generate([self.encode(p) for p in prompts], sampling_params)
+    ) -> RequestOutput | list[RequestOutput]:
+        """Text-prompt convenience: tokenize, then `generate` (one string gives
+        one RequestOutput, a list a list); outputs carry the text as `prompt`."""
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        outputs = await self._generate([self.encode(p) for p in texts], sampling_params)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs[0] if isinstance(prompts, str) else outputs
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -116,12 +155,31 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
 
-    @abc.abstractmethod
-    async def pause_generation(self) -> None:
-        """Stop admitting new work; waits for requests in flight to finish."""
+    async def pause_generation(self, mode: str = "keep") -> None:
+        """Stop admitting new work; requests in flight are frozen where they
+        are ("keep", the default, as OpenRLHF's), run to completion ("wait")
+        or aborted ("abort"). Returns once no request runs a forward pass
+        (see `engines.admission`)."""
+        try:
+            await self._admission.close(mode)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+
+    async def resume_generation(self) -> None:
+        """Undo one `pause_generation`: the last one lets frozen requests
+        continue (recording the version now served) and new ones in."""
+        await self._admission.open()
 
     @abc.abstractmethod
-    async def resume_generation(self) -> None: ...
+    async def _freeze(self) -> None:
+        """Stop every request in flight between two steps; return once none is in one."""
+
+    @abc.abstractmethod
+    async def _thaw(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _abort_requests(self) -> None:
+        """End every request in flight now, with finish_reason "abort"."""
 
     @abc.abstractmethod
     async def collective_rpc(

@@ -41,6 +41,8 @@ PREFECT_STARTUP_TIMEOUT = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 VLLM_RAY_BUNDLE_INDICES = "VLLM_RAY_BUNDLE_INDICES"
 #: vLLM's Ray executor: GPU fraction per worker when engines share GPUs.
 VLLM_RAY_PER_WORKER_GPUS = "VLLM_RAY_PER_WORKER_GPUS"
+#: What OpenRLHF sets in its engine actors for `full_determinism` ("0").
+VLLM_ENABLE_V1_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def get_float(name: str, default: float) -> float:

@@ -28,7 +28,6 @@ from engines.base import (
     SLEEP_TAGS,
     RolloutEngine,
     check_sleep_level,
-    normalize_prompts,
     wake_tags,
 )
 from engines.config import EngineConfig
@@ -37,9 +36,10 @@ from engines.errors import (
     EngineTimeoutError,
     RequestError,
 )
-from engines.hf_sampling import logprob_entry, sample_token
-from engines.outputs import CompletionOutput, RequestOutput
+from engines.hf_sampling import logprob_entry, processed_logits, sample_token
+from engines.outputs import CompletionOutput, LogprobsPosition, RequestOutput
 from engines.sampling import SamplingParams
+from engines.spec import check_hf_kwargs
 from engines.worker_extension import WeightSyncWorkerExtension
 
 logger = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ class _Sequence:
     generator: torch.Generator
     budget: int
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[LogprobsPosition] | None = None
     cumulative: float = 0.0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -84,7 +85,9 @@ class _Request:
     sequences: list[_Sequence]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The weight versions it was generated under (set when its batch starts).
+    versions: list[int] = field(default_factory=list)
+    prompt_logprobs: list[LogprobsPosition | None] | None = None
 
 
 def sequence_seed(request_seed: int, index: int) -> int:
@@ -99,10 +102,13 @@ class HFEngine(RolloutEngine):
         torch.set_num_threads(env.torch_threads())
         transformers_logging.disable_progress_bar()
         kwargs = dict(config.engine_kwargs)
+        check_hf_kwargs(kwargs)
         dtype = kwargs.pop("dtype", "auto")
-        if dtype != "auto" and dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
         self.max_num_seqs = int(kwargs.pop("max_num_seqs", 64))
+        # vLLM's: logprobs of the raw distribution, or of the one sampled from
+        # (after temperature, top-k, top-p); at most `max_logprobs` per token.
+        self.processed_logprobs = kwargs.pop("logprobs_mode", "raw_logprobs") != "raw_logprobs"
+        self.max_logprobs = int(kwargs.pop("max_logprobs", 20))
         trust_remote_code = bool(kwargs.pop("trust_remote_code", False))
         if kwargs:
             logger.info("backend 'hf' ignores vLLM engine arguments %s", sorted(kwargs))
@@ -132,14 +138,18 @@ class HFEngine(RolloutEngine):
         # Per-request seeds come from the engine's seed in call order, so a
         # fresh engine with the same seed replays the same tokens.
         self._rng = random.Random(config.seed)
+        # Shared with the generation thread, under `_cond`: the queue, the
+        # batch running, and the pause flags it obeys between two steps.
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
         self._running = 0
-        self._paused = False
+        self._stepping = False  # the thread is inside a step (a forward pass and sampling)
+        self._frozen = False  # pause "keep": park before the next step
+        self._aborting = False  # pause "abort": end the batch running
         self._stopping = False
         self._thread_error: BaseException | None = None
-        # Held while a batch runs and while weights change: no batch ever sees
-        # half-updated weights.
+        # Held around each forward pass and while the workers run an RPC
+        # (weights change): no step ever sees half-updated weights.
         self._model_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
         self._thread.start()
@@ -158,23 +168,32 @@ class HFEngine(RolloutEngine):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def generate(self, prompt_token_ids, sampling_params=None) -> list[RequestOutput]:
+    async def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
         params = SamplingParams.coerce(sampling_params)
-        prompts = normalize_prompts(prompt_token_ids)
         self.check_request(prompts, params)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise RequestError(
+                    f"{name}={asked} is more than the engine's max_logprobs={self.max_logprobs}"
+                )
         for i, prompt in enumerate(prompts):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(
                     f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}"
                 )
-        self._raise_if_dead()
-        loop = asyncio.get_running_loop()
-        requests = [self._new_request(prompt, params, loop) for prompt in prompts]
-        with self._cond:
-            self._pending.extend(requests)
-            self._cond.notify_all()
-        return list(await asyncio.gather(*(r.future for r in requests)))
+        # Waits while paused. The generation thread itself records the versions
+        # each request runs under (a queued one may wait through a sync).
+        async with self._admission.request():
+            self.check_request(prompts, params)  # a failed sync may have left it stale
+            self._raise_if_dead()
+            loop = asyncio.get_running_loop()
+            requests = [self._new_request(prompt, params, loop) for prompt in prompts]
+            with self._cond:
+                self._pending.extend(requests)
+                self._cond.notify_all()
+            return list(await asyncio.gather(*(r.future for r in requests)))
 
     async def get_num_unfinished_requests(self) -> int:
         with self._cond:
@@ -186,7 +205,7 @@ class HFEngine(RolloutEngine):
         with self._cond:
             info.update(
                 num_unfinished_requests=len(self._pending) + self._running,
-                paused=self._paused,
+                paused=self._admission.closed,
                 sleeping=sorted(self._asleep),
             )
         info.update(
@@ -200,8 +219,8 @@ class HFEngine(RolloutEngine):
     async def sleep(self, level: int = 1) -> None:
         check_sleep_level(level)
         # Nothing to offload on the CPU: sleeping means serving no work until
-        # woken, like vLLM's sleep mode.
-        await self.pause_generation()
+        # woken, like vLLM's sleep mode (which lets requests in flight finish).
+        await self.pause_generation(mode="wait")
         self._asleep = set(SLEEP_TAGS)
         await self.resume_generation()
 
@@ -209,15 +228,30 @@ class HFEngine(RolloutEngine):
         tags_set = wake_tags(tags)
         self._asleep -= tags_set
 
-    async def pause_generation(self) -> None:
-        with self._cond:
-            self._paused = True
-        await asyncio.to_thread(self._wait_idle)
+    async def _freeze(self) -> None:
+        def park() -> None:
+            with self._cond:
+                self._frozen = True
+                while self._stepping:
+                    self._cond.wait()
 
-    async def resume_generation(self) -> None:
+        await asyncio.to_thread(park)
+
+    async def _thaw(self) -> None:
         with self._cond:
-            self._paused = False
+            self._frozen = False
             self._cond.notify_all()
+
+    async def _abort_requests(self) -> None:
+        with self._cond:
+            queued, self._pending = self._pending, []
+            self._aborting = bool(self._running)
+            self._cond.notify_all()
+        for request in queued:
+            request.versions = [self.weight_version]
+            for seq in request.sequences:
+                seq.finish_reason = "abort"
+            _resolve(request.future, self._output(request), None)
 
     async def collective_rpc(
         self,
@@ -265,11 +299,6 @@ class HFEngine(RolloutEngine):
         ]
         return _Request(uuid.uuid4().hex, prompt, params, sequences, loop, loop.create_future())
 
-    def _wait_idle(self) -> None:
-        with self._cond:
-            while self._running:
-                self._cond.wait()
-
     def _raise_if_dead(self) -> None:
         if self._thread_error is not None or not self._thread.is_alive():
             raise EngineDeadError(
@@ -291,15 +320,15 @@ class HFEngine(RolloutEngine):
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and (not self._pending or self._paused):
+                    while not self._stopping and (not self._pending or self._frozen):
                         self._cond.wait()
                     if self._stopping:
                         return
                     batch = self._take_batch()
                     self._running = len(batch)
+                    self._stepping = True
                 try:
-                    with self._model_lock, torch.inference_mode():
-                        outputs = self._run_batch(batch)
+                    outputs = self._run_batch(batch)
                     for request, output in zip(batch, outputs, strict=True):
                         request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
                 except Exception as exc:  # noqa: BLE001 - handed to each caller
@@ -309,34 +338,57 @@ class HFEngine(RolloutEngine):
                 finally:
                     with self._cond:
                         self._running = 0
+                        self._stepping = self._aborting = False
                         self._cond.notify_all()
         except BaseException as exc:
             self._thread_error = exc
             raise
 
-    def _run_batch(self, batch: list[_Request]) -> list[RequestOutput]:
-        model = self.worker.model
-        version = self.weight_version
-        rows = [(request, seq) for request in batch for seq in request.sequences]
-        width = max(len(request.prompt) for request in batch)
+    def _next_step(self) -> bool:
+        """Between two steps: park while frozen; False when the batch is aborted."""
+        with self._cond:
+            self._stepping = False
+            self._cond.notify_all()
+            while self._frozen and not (self._stopping or self._aborting):
+                self._cond.wait()
+            self._stepping = True
+            return not (self._stopping or self._aborting)
+
+    def _forward(self, input_ids, mask, positions, cache=None):
+        with self._model_lock, torch.inference_mode():
+            extra = {} if cache is None else {self._cache_arg: cache}
+            return self.worker.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                use_cache=True,
+                **extra,
+            )
+
+    def _prefill(self, rows: list[tuple[_Request, _Sequence]]):
+        """A forward pass over each row's prompt and tokens so far, left-padded:
+        the first step, and the first after a sync under frozen requests (their
+        KV cache is recomputed with the new weights, as vLLM does)."""
+        tokens = [request.prompt + seq.token_ids for request, seq in rows]
+        width = max(len(t) for t in tokens)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (request, _) in enumerate(rows):
-            input_ids[i, width - len(request.prompt) :] = torch.tensor(request.prompt)
-            mask[i, width - len(request.prompt) :] = 1
+        for i, row in enumerate(tokens):
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            use_cache=True,
-        )
-        self._prompt_logprobs(rows, out.logits, width)
-        logits = out.logits[:, -1, :].float().cpu()
-        cache = out[self._cache_arg]
-        next_position = positions[:, -1:] + 1
+        return self._forward(input_ids, mask, positions), mask, positions[:, -1:] + 1
+
+    def _run_batch(self, batch: list[_Request]) -> list[RequestOutput]:
+        rows = [(request, seq) for request in batch for seq in request.sequences]
+        version = self.weight_version
+        for request in batch:
+            request.versions = [version]
+        out, mask, next_position = self._prefill(rows)
+        self._prompt_logprobs(rows, out.logits)
         active = [True] * len(rows)
         while True:
+            logits = out.logits[:, -1, :].float().cpu()
             next_tokens = [self.pad_id] * len(rows)
             for i, (request, seq) in enumerate(rows):
                 if active[i]:
@@ -344,35 +396,47 @@ class HFEngine(RolloutEngine):
                     active[i] = seq.finish_reason is None
             if not any(active):
                 break
+            if not self._next_step():  # aborted (or shutting down)
+                for i, (_, seq) in enumerate(rows):
+                    if active[i]:
+                        seq.finish_reason = "abort"
+                break
+            if self.weight_version != version:  # a sync ran while frozen
+                version = self.weight_version
+                for request in batch:
+                    request.versions.append(version)
+                out, mask, next_position = self._prefill(rows)
+                continue
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-            out = model(
-                input_ids=torch.tensor(next_tokens).unsqueeze(1).to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=next_position.to(self.device),
-                use_cache=True,
-                **{self._cache_arg: cache},
+            out = self._forward(
+                torch.tensor(next_tokens).unsqueeze(1),
+                mask,
+                next_position,
+                out[self._cache_arg],
             )
-            cache = out[self._cache_arg]
-            logits = out.logits[:, -1, :].float().cpu()
             next_position = next_position + 1
-        return [self._output(request, version) for request in batch]
+        return [self._output(request) for request in batch]
 
     def _step(self, params: SamplingParams, seq: _Sequence, logits: torch.Tensor) -> int:
-        logprobs = torch.log_softmax(logits, dim=-1)
         too_early = len(seq.token_ids) < params.min_tokens
         banned = self.eos_ids + params.stop_token_ids if too_early else []
-        token = sample_token(logits, params, seq.generator, banned=banned)
+        processed = processed_logits(logits, params, banned=banned)
+        token = sample_token(processed, params, seq.generator)
+        logprobs = torch.log_softmax(processed if self.processed_logprobs else logits, dim=-1)
         seq.token_ids.append(token)
         seq.cumulative += float(logprobs[token])
         if seq.logprobs is not None:
-            seq.logprobs.append(logprob_entry(logprobs, token, params.logprobs))
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            seq.logprobs.append(logprob_entry(logprobs, token, params.logprobs, self._decode_token))
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token  # as vLLM reports it
+        elif token in self.eos_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
         elif len(seq.token_ids) >= seq.budget:
             seq.finish_reason = "length"
         return token
 
-    def _prompt_logprobs(self, rows, logits: torch.Tensor, width: int) -> None:
+    def _prompt_logprobs(self, rows, logits: torch.Tensor) -> None:
+        width = logits.shape[1]
         for i, (request, seq) in enumerate(rows):
             top = request.params.prompt_logprobs
             if top is None or seq.index != 0:
@@ -381,10 +445,11 @@ class HFEngine(RolloutEngine):
             # Position t's logits predict token t+1; the first token has none.
             logprobs = torch.log_softmax(logits[i, start:-1].float(), dim=-1).cpu()
             request.prompt_logprobs = [None] + [
-                logprob_entry(logprobs[t], token, top) for t, token in enumerate(request.prompt[1:])
+                logprob_entry(logprobs[t], token, top, self._decode_token)
+                for t, token in enumerate(request.prompt[1:])
             ]
 
-    def _output(self, request: _Request, version: int) -> RequestOutput:
+    def _output(self, request: _Request) -> RequestOutput:
         completions = [
             CompletionOutput(
                 index=seq.index,
@@ -393,6 +458,7 @@ class HFEngine(RolloutEngine):
                 finish_reason=seq.finish_reason,
                 logprobs=seq.logprobs,
                 cumulative_logprob=seq.cumulative,
+                stop_reason=seq.stop_reason,
             )
             for seq in request.sequences
         ]
@@ -400,10 +466,14 @@ class HFEngine(RolloutEngine):
             request_id=request.request_id,
             prompt_token_ids=request.prompt,
             outputs=completions,
-            weight_version=version,
+            weight_version=request.versions[0],
+            weight_versions=list(request.versions),
             engine=self.config.name,
             prompt_logprobs=request.prompt_logprobs,
         )
+
+    def _decode_token(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def _memory(self) -> dict[str, int]:
         if self.device.type == "cuda":

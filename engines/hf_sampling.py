@@ -1,39 +1,46 @@
 """Token sampling for the CPU backend, honouring every SamplingParams field.
 
 Logprobs are those of the model's raw distribution (before temperature, top-k
-and top-p), as vLLM returns them by default.
+and top-p), as vLLM returns them by default, or with `logprobs_mode=
+"processed_logprobs"` those of the distribution sampled from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from engines.outputs import Logprob
 from engines.sampling import SamplingParams
 
 
-def logprob_entry(logprobs: torch.Tensor, token: int, top: int) -> dict[int, float]:
-    """The sampled token's logprob plus the `top` most likely ones."""
-    entry = {token: float(logprobs[token])}
+def logprob_entry(
+    logprobs: torch.Tensor, token: int, top: int, decode: Callable[[int], str]
+) -> dict[int, Logprob]:
+    """The sampled token's Logprob plus the `top` most likely ones, ranked
+    in the vocabulary as vLLM ranks them (1 is the most likely)."""
+    value = logprobs[token]
+    rank = int((logprobs > value).sum()) + 1
+    entry = {token: Logprob(float(value), rank, decode(token))}
     if top > 0:
         values, indices = torch.topk(logprobs, top)
-        for value, index in zip(values.tolist(), indices.tolist(), strict=True):
-            entry.setdefault(index, value)
+        for k, (value, index) in enumerate(zip(values.tolist(), indices.tolist(), strict=True)):
+            if index not in entry:
+                entry[index] = Logprob(value, k + 1, decode(index))
     return entry
 
 
-def sample_token(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-    *,
-    banned: list[int],
-) -> int:
-    """One token from a row of logits (float32, [vocab])."""
+def processed_logits(
+    logits: torch.Tensor, params: SamplingParams, *, banned: list[int]
+) -> torch.Tensor:
+    """The logits a token is sampled from (float32, [vocab]): banned tokens,
+    temperature, top-k and top-p applied, in vLLM's order."""
     logits = logits.clone()
     if banned:
         logits[banned] = float("-inf")
     if params.temperature == 0.0:
-        return int(torch.argmax(logits))
+        return logits
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -44,5 +51,12 @@ def sample_token(
         # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
         logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from processed logits (see `processed_logits`)."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -18,6 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.errors import EngineSpecError, EngineTimeoutError
+from engines.naming import placement_group_name
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,6 @@ class EnginePlacement:
             # engine actor: they must land in the same placement group.
             placement_group_capture_child_tasks=True,
         )
-
-
-def placement_group_name(name_prefix: str) -> str:
-    return f"{name_prefix}-pg"
 
 
 def check_cluster_fits(num_engines: int, tensor_parallel_size: int, uses_gpu: bool) -> None:

@@ -34,12 +34,10 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
 import ray
 from transformers import AutoTokenizer
 
-from engines.admission import Admission
 from engines.base import (
     SLEEP_TAGS,
     RolloutEngine,
     check_sleep_level,
-    normalize_prompts,
     wake_tags,
 )
 from engines.config import EngineConfig
@@ -67,17 +65,6 @@ def vllm_sampling_params(value: Any) -> vllm.SamplingParams:
         params = vllm.SamplingParams(**SamplingParams.coerce(value).model_dump())
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
-
-
-def plain_logprobs(positions: Any) -> list[dict[int, float] | None] | None:
-    """vLLM's per-position `{token_id: Logprob}` -> `{token_id: float}`
-    (None positions, e.g. the first prompt token, stay None)."""
-    if positions is None:
-        return None
-    return [
-        None if position is None else {int(t): float(lp.logprob) for t, lp in position.items()}
-        for position in positions
-    ]
 
 
 def worker_memory(worker: Any) -> dict[str, Any]:
@@ -118,11 +105,12 @@ class VLLMEngine(RolloutEngine):
         # vLLM logs throughput every few seconds by default; in an engine
         # actor those lines flood the driver's log. Callers may turn it back on.
         kwargs.setdefault("disable_log_stats", True)
+        if config.gpu_memory_utilization is not None:  # None: vLLM's default
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         args = vllm.AsyncEngineArgs(
             model=config.pretrain,
             max_model_len=config.max_len,
             seed=config.seed,
-            gpu_memory_utilization=config.gpu_memory_utilization,
             tensor_parallel_size=config.tensor_parallel_size,
             enable_prefix_caching=config.enable_prefix_caching,
             worker_extension_cls=WORKER_EXTENSION,
@@ -135,8 +123,6 @@ class VLLMEngine(RolloutEngine):
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
-        self._admission = Admission()
-        self._paused = False
         # This actor is the engine's front end, as vLLM's API server process
         # is: like it, keep the start-up heap (vLLM, torch, transformers) out
         # of the GC's oldest-generation scans, whose pauses stall the output
@@ -155,35 +141,36 @@ class VLLMEngine(RolloutEngine):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def generate(self, prompt_token_ids, sampling_params=None) -> list[RequestOutput]:
+    async def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
         try:
             params = vllm_sampling_params(sampling_params)
         except ValueError as exc:  # ours (pydantic) or vLLM's own checks
             raise RequestError(f"bad sampling parameters: {exc}") from exc
-        prompts = normalize_prompts(prompt_token_ids)
         # check_request reads only the prompts and the engine's state.
         self.check_request(prompts, params)
-        # Waits while a weight sync is open: the version stamped here must be
-        # the one the request runs on.
-        async with self._admission.request():
+        # Waits while paused: a request queued inside vLLM would be stamped
+        # with one version and run on the next. The ticket collects every
+        # version served while the call is inside (a sync under frozen requests).
+        async with self._admission.request() as ticket:
             self.check_request(prompts, params)  # a failed sync may have left it stale
             self._raise_if_dead()
-            version = self.weight_version
-            tasks = [
-                asyncio.ensure_future(self._one(prompt, params, version)) for prompt in prompts
-            ]
+            tasks = [asyncio.ensure_future(self._one(prompt, params)) for prompt in prompts]
             try:
-                return list(await asyncio.gather(*tasks))
+                outputs = list(await asyncio.gather(*tasks))
             except BaseException:
                 # One bad prompt (or a cancelled call) must not leave its siblings
                 # generating for nobody: cancelling a task aborts its vLLM request.
                 for task in tasks:
                     task.cancel()
                 raise
+            for output in outputs:
+                output.weight_version, output.weight_versions = (
+                    ticket.versions[0],
+                    list(ticket.versions),
+                )
+            return outputs
 
-    async def _one(
-        self, prompt: list[int], params: vllm.SamplingParams, version: int
-    ) -> RequestOutput:
+    async def _one(self, prompt: list[int], params: vllm.SamplingParams) -> RequestOutput:
         request_id = uuid.uuid4().hex
         final = None
         try:
@@ -209,14 +196,17 @@ class VLLMEngine(RolloutEngine):
                     token_ids=list(completion.token_ids),
                     text=completion.text,
                     finish_reason=completion.finish_reason,
-                    logprobs=plain_logprobs(completion.logprobs),
+                    # vLLM's own Logprob objects, passed through as they are.
+                    logprobs=completion.logprobs,
                     cumulative_logprob=completion.cumulative_logprob,
+                    stop_reason=completion.stop_reason,
                 )
                 for completion in sorted(final.outputs, key=lambda c: c.index)
             ],
-            weight_version=version,
+            weight_version=0,  # stamped by `_generate` from the call's ticket
             engine=self.config.name,
-            prompt_logprobs=plain_logprobs(final.prompt_logprobs),
+            prompt_logprobs=final.prompt_logprobs,
+            num_cached_tokens=final.num_cached_tokens,
         )
 
     async def get_num_unfinished_requests(self) -> int:
@@ -237,7 +227,7 @@ class VLLMEngine(RolloutEngine):
         info = self.base_health()
         info.update(
             num_unfinished_requests=await self.get_num_unfinished_requests(),
-            paused=self._paused,
+            paused=self._admission.closed,
             sleeping=sorted(self._asleep),
             vllm_version=vllm.__version__,
             pid=os.getpid(),
@@ -278,25 +268,29 @@ class VLLMEngine(RolloutEngine):
         await self.engine.wake_up(sorted(tags_set & self._asleep))
         self._asleep -= tags_set
 
-    async def pause_generation(self) -> None:
-        # New requests wait in this actor, not inside vLLM: one queued in vLLM
-        # is stamped with the version of its call but may run on the weights
-        # that replace them (vLLM's wake_up even resumes its scheduler by
-        # itself once all memory is back, v1/engine/core.py:913 in v0.26.0).
-        # Requests already let in run to completion first ("wait"). No call
-        # to the engine core: AsyncLLM.pause_generation ends with a 20 ms
-        # sleep (https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/engine/async_llm.py#L793),
-        # 20 of the 31-44 ms a sync's begin took.
-        await self._admission.close()
-        if self.engine.model_config.is_multimodal_model:
-            # Cached encoder outputs were computed with the weights being replaced.
+    async def pause_generation(self, mode: str = "keep") -> None:
+        await super().pause_generation(mode)
+        if mode == "wait" and self.engine.model_config.is_multimodal_model:
+            # Cached encoder outputs were computed with the weights about to be
+            # replaced ("keep" and "abort" clear them inside vLLM's pause).
             await self.engine.reset_mm_cache()
             await self.engine.reset_encoder_cache()
-        self._paused = True
 
-    async def resume_generation(self) -> None:
-        self._paused = False
-        self._admission.open()
+    # Mode "wait" needs no call to the engine core: requests are held in this
+    # actor, not inside vLLM, and those let in run to completion.
+    async def _freeze(self) -> None:
+        # vLLM's own "keep": the scheduler stops stepping, and (clear_cache)
+        # running requests are preempted, so their KV cache is recomputed with
+        # the weights served when they resume, as OpenRLHF's pause gets it.
+        await self.engine.pause_generation(mode="keep")
+
+    async def _thaw(self) -> None:
+        await self.engine.resume_generation()
+
+    async def _abort_requests(self) -> None:
+        await self.engine.pause_generation(mode="abort")
+        # New requests wait in this actor until it reopens, not in vLLM.
+        await self.engine.resume_generation()
 
     async def collective_rpc(
         self,

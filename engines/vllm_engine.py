@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from engines import env
+from engines import env, naming, spec
 from engines.client import call_engines, raise_first_error
 from engines.config import EngineConfig
 from engines.errors import (
@@ -36,10 +36,6 @@ from engines.placement import (
 )
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "vllm", "hf")
-DEFAULT_NAME_PREFIX = "rolloutflow-engine"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 class EngineSet(list):
@@ -63,48 +59,6 @@ class EngineSet(list):
         self.namespace = namespace
         self.backend = backend
         self.placement = placement
-
-
-def engine_name(name_prefix: str, index: int) -> str:
-    return f"{name_prefix}-{index}"
-
-
-def check_pretrain(pretrain: str) -> None:
-    if os.path.exists(pretrain):
-        if not os.path.isfile(os.path.join(pretrain, "config.json")):
-            raise EngineSpecError(
-                f"pretrain={pretrain!r} has no config.json (not a model directory)"
-            )
-        return
-    looks_like_path = pretrain.startswith(("/", ".", "~")) or not _HUB_ID.match(pretrain)
-    if looks_like_path:
-        raise EngineSpecError(f"pretrain={pretrain!r} does not exist")
-
-
-def check_spec(
-    num_engines: int,
-    pretrain: str,
-    max_len: int,
-    gpu_memory_utilization: float,
-    tensor_parallel_size: int,
-    backend: str,
-) -> None:
-    def whole(name: str, value: Any, least: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise EngineSpecError(f"{name} must be an integer >= {least}, got {value!r}")
-
-    whole("num_engines", num_engines, 1)
-    whole("tensor_parallel_size", tensor_parallel_size, 1)
-    whole("max_len", max_len, 2)
-    if not isinstance(gpu_memory_utilization, int | float) or not 0 < gpu_memory_utilization <= 1:
-        raise EngineSpecError(
-            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
-        )
-    if backend not in BACKENDS:
-        raise EngineSpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(pretrain, str) or not pretrain:
-        raise EngineSpecError(f"pretrain must be a model path or hub id, got {pretrain!r}")
-    check_pretrain(pretrain)
 
 
 def resolve_backend(backend: str) -> str:
@@ -141,7 +95,7 @@ def backend_class(backend: str) -> type:
 
 
 def existing_engine_names(name_prefix: str, namespace: str) -> list[str]:
-    pattern = re.compile(rf"^{re.escape(name_prefix)}-\d+$")
+    pattern = naming.engine_name_pattern(re.escape(name_prefix))
     return sorted(
         actor["name"]
         for actor in ray.util.list_named_actors(all_namespaces=True)
@@ -159,16 +113,23 @@ def ensure_ray() -> None:
 def create_vllm_engines(
     num_engines: int,
     pretrain: str,
-    max_len: int,
-    gpu_memory_utilization: float,
+    max_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
     tensor_parallel_size: int = 1,
     seed: int = 42,
     enable_prefix_caching: bool = False,
     *,
     backend: str = "auto",
-    name_prefix: str = DEFAULT_NAME_PREFIX,
+    name_prefix: str | None = None,
     namespace: str | None = None,
     shared_pg: PlacementGroup | None = None,
+    max_model_len: int | None = None,
+    full_determinism: bool = False,
+    vllm_enable_sleep: bool = False,
+    logprobs_mode: str | None = None,
+    agent_func_path: str | None = None,
+    remote_rm_url: Any = None,
+    max_images_per_prompt: int = 0,
     **engine_kwargs: Any,
 ) -> EngineSet:
     """Start `num_engines` rollout engines as named Ray actors; engine i is named
@@ -179,13 +140,36 @@ def create_vllm_engines(
     `engine_kwargs` are vLLM engine arguments (`enforce_eager`, `dtype`,
     `enable_sleep_mode`, ...). `shared_pg` places the engines on a caller's
     placement group with a fraction of each bundle (colocation with a trainer).
+    Without `name_prefix` each call gets a prefix of its own.
+
+    OpenRLHF's keyword names (v0.11.2) are accepted too: `max_model_len` is
+    `max_len`; `vllm_enable_sleep=True` starts the engines in sleep mode and
+    puts them to sleep once up (this call then waits for them);
+    `full_determinism` sets OpenRLHF's `VLLM_ENABLE_V1_MULTIPROCESSING=0` in
+    the engines; `logprobs_mode` sets vLLM's, with `max_logprobs=1`;
+    `gpu_memory_utilization=None` is vLLM's default. `agent_func_path`,
+    `remote_rm_url` and `max_images_per_prompt` are refused. Every check runs
+    here, before anything is created (`EngineSpecError`).
     """
-    check_spec(
+    openrlhf = spec.OpenRLHFKeywords(
+        max_model_len=max_model_len,
+        full_determinism=full_determinism,
+        vllm_enable_sleep=vllm_enable_sleep,
+        logprobs_mode=logprobs_mode,
+        agent_func_path=agent_func_path,
+        remote_rm_url=remote_rm_url,
+        max_images_per_prompt=max_images_per_prompt,
+    )
+    spec.check_unsupported(openrlhf)
+    max_len = spec.resolve_max_len(max_len, max_model_len)
+    spec.check_spec(
         num_engines, pretrain, max_len, gpu_memory_utilization, tensor_parallel_size, backend
     )
     ensure_ray()
     backend = resolve_backend(backend)
+    engine_kwargs = spec.resolve_engine_kwargs(engine_kwargs, openrlhf, backend)
     namespace = namespace or ray.get_runtime_context().namespace
+    name_prefix = name_prefix or naming.unique_prefix()
     taken = existing_engine_names(name_prefix, namespace)
     if taken:
         raise EngineSpecError(
@@ -220,7 +204,7 @@ def create_vllm_engines(
     try:
         for i in range(num_engines):
             config = EngineConfig(
-                name=engine_name(name_prefix, i),
+                name=naming.engine_name(name_prefix, i),
                 pretrain=pretrain,
                 max_len=max_len,
                 seed=seed + i,
@@ -229,6 +213,7 @@ def create_vllm_engines(
                 enable_prefix_caching=enable_prefix_caching,
                 bundle_indices=placement.bundles[i],
                 rpc_timeout_s=env.rpc_timeout_s(),
+                full_determinism=full_determinism,
                 engine_kwargs=engine_kwargs,
             )
             handles.append(start_engine(backend, config, placement, i, namespace))
@@ -241,7 +226,7 @@ def create_vllm_engines(
         raise
     names = [config.name for config in configs]
     logger.info("started %d %s engines: %s (namespace %r)", num_engines, backend, names, namespace)
-    return EngineSet(
+    engines = EngineSet(
         handles,
         configs=configs,
         name_prefix=name_prefix,
@@ -249,6 +234,15 @@ def create_vllm_engines(
         backend=backend,
         placement=placement,
     )
+    if vllm_enable_sleep:
+        # As OpenRLHF's create_vllm_engines: engines start asleep, so the
+        # trainer has the GPU until the first wake_up.
+        try:
+            batch_vllm_engine_call(engines, "sleep", timeout_s=env.ready_timeout_s())
+        except BaseException:
+            destroy_engines(engines)
+            raise
+    return engines
 
 
 def start_engine(
@@ -263,7 +257,7 @@ def start_engine(
             namespace=namespace,
             max_restarts=0,
             scheduling_strategy=placement.strategy(index),
-            runtime_env={"env_vars": actor_env(backend, placement, index, tp)},
+            runtime_env={"env_vars": actor_env(backend, placement, index, config)},
             **actor_resources(backend, placement, tp),
         )
         .remote(config)
@@ -303,9 +297,20 @@ def actor_resources(backend: str, placement: EnginePlacement, tp: int) -> dict[s
     return {"num_cpus": share, "num_gpus": gpus}
 
 
-def actor_env(backend: str, placement: EnginePlacement, index: int, tp: int) -> dict[str, str]:
+def actor_env(
+    backend: str, placement: EnginePlacement, index: int, config: EngineConfig
+) -> dict[str, str]:
     fraction = None if placement.owns_group else COLOCATED_SHARE
-    return env.actor_env_vars(backend, placement.bundles[index], fraction if tp > 1 else None)
+    variables = env.actor_env_vars(
+        backend,
+        placement.bundles[index],
+        fraction if config.tensor_parallel_size > 1 else None,
+    )
+    if config.full_determinism and backend == "vllm":
+        # What OpenRLHF's full_determinism sets in its engine actors
+        # (openrlhf/trainer/ray/vllm_engine.py, _configure_vllm_env).
+        variables[env.VLLM_ENABLE_V1_MULTIPROCESSING] = "0"
+    return variables
 
 
 def destroy_engines(

@@ -127,7 +127,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             scorer = start_reward_scorer(
                 params.reward,
                 params.reward_style,
-                name=f"{scope.name_prefix}-reward",
+                name=scope.reward_name,
                 namespace=scope.namespace,
             )
         generate = generate_rollouts.with_options(retries=params.engine_retries)

@@ -120,7 +120,7 @@ def generate_rollouts(
     def on_done(shard: Shard, engine: int, results: list, seconds: float) -> None:
         nonlocal done, reward_seconds, generated_rows, generated_tokens
         rows, inputs = [], []
-        for i, (output,) in zip(range(shard.start, shard.stop), results, strict=True):
+        for i, output in zip(range(shard.start, shard.stop), results, strict=True):
             record = prompts.records[i]
             for row in rows_for(
                 output,

@@ -67,13 +67,13 @@ def rows_for(
         sampled, top = None, None
         if with_logprobs and sample.logprobs is not None:
             sampled = [
-                position[token]
+                position[token].logprob
                 for position, token in zip(sample.logprobs, sample.token_ids, strict=True)
             ]
             top = [
                 [
-                    {"token_id": token_id, "logprob": logprob}
-                    for token_id, logprob in sorted(position.items(), key=lambda kv: -kv[1])
+                    {"token_id": token_id, "logprob": entry.logprob}
+                    for token_id, entry in sorted(position.items(), key=lambda kv: -kv[1].logprob)
                 ]
                 for position in sample.logprobs
             ]

@@ -11,12 +11,11 @@ collides with what an earlier attempt may have left behind.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import ray
 
-from engines import destroy_engines
+from engines import destroy_engines, naming
 
 
 @dataclass(frozen=True)
@@ -26,33 +25,31 @@ class RunScope:
 
     @property
     def namespace(self) -> str:
-        return run_namespace(self.run_id)
+        return naming.run_namespace(self.run_id)
 
     @property
     def name_prefix(self) -> str:
-        # Placement group names are global to the cluster, hence the run id
-        # in the prefix and not only in the namespace.
-        return f"rf-{self.run_id}-a{self.attempt}"
+        return naming.run_prefix(self.run_id, self.attempt)
 
     @property
     def policy_name(self) -> str:
-        return f"{self.name_prefix}-policy"
+        return naming.policy_name(self.name_prefix)
 
-
-def run_namespace(run_id: str) -> str:
-    return f"rolloutflow-{run_id}"
+    @property
+    def reward_name(self) -> str:
+        return naming.reward_name(self.name_prefix)
 
 
 def leftover_prefixes(run_id: str) -> set[str]:
     """Name prefixes of every attempt of the run that still has an engine
     actor or a placement group on the cluster."""
-    prefix = rf"rf-{re.escape(run_id)}-a\d+"
-    actor_name = re.compile(rf"^({prefix})-\d+$")
-    group_name = re.compile(rf"^({prefix})-pg$")
+    prefix = naming.run_prefix_pattern(run_id)
+    actor_name = naming.engine_name_pattern(prefix)
+    group_name = naming.placement_group_pattern(prefix)
     found = set()
     for actor in ray.util.list_named_actors(all_namespaces=True):
         match = actor_name.match(actor["name"])
-        if match and actor["namespace"] == run_namespace(run_id):
+        if match and actor["namespace"] == naming.run_namespace(run_id):
             found.add(match.group(1))
     for info in ray.util.placement_group_table().values():
         match = group_name.match(info.get("name") or "")
@@ -65,12 +62,13 @@ def sweep_run(run_id: str, timeout_s: float = 30.0) -> list[str]:
     """Kill the run's engines, policy and reward actors and remove its placement
     groups, every attempt's; idempotent. Returns the prefixes that had
     something left."""
+    namespace = naming.run_namespace(run_id)
     prefixes = sorted(leftover_prefixes(run_id))
     for prefix in prefixes:
-        destroy_engines(name_prefix=prefix, namespace=run_namespace(run_id), timeout_s=timeout_s)
-    policy = re.compile(rf"^rf-{re.escape(run_id)}-a\d+-(policy|reward)$")
+        destroy_engines(name_prefix=prefix, namespace=namespace, timeout_s=timeout_s)
+    policy = naming.run_actor_pattern(naming.run_prefix_pattern(run_id))
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == run_namespace(run_id) and policy.match(actor["name"]):
+        if actor["namespace"] == namespace and policy.match(actor["name"]):
             try:
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
             except ValueError:  # already gone

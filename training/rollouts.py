@@ -56,7 +56,7 @@ def groups_from_outputs(outputs: list[Any]) -> list[RolloutGroup]:
             logprobs = None
             if completion.logprobs is not None:
                 logprobs = [
-                    float(step[tok])
+                    float(step[tok].logprob)
                     for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
                 ]
             samples.append(

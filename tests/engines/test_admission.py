@@ -1,44 +1,126 @@
-"""Admission: the gate the vLLM engine actor closes around a weight sync."""
+"""Admission: the door an engine actor closes around a weight sync, in the
+three pause modes, with a stand-in backend that records what it was asked."""
 
 import asyncio
+
+import pytest
 
 from engines.admission import Admission
 
 
-def test_close_waits_for_requests_inside_and_holds_new_ones_until_open():
+class Backend:
+    def __init__(self):
+        self.calls = []
+        self.version = 0
+
+    def admission(self) -> Admission:
+        async def record(name):
+            self.calls.append(name)
+
+        return Admission(
+            freeze=lambda: record("freeze"),
+            thaw=lambda: record("thaw"),
+            abort=lambda: record("abort"),
+            version=lambda: self.version,
+        )
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+async def request(gate: Admission, events: list, name: str, done: asyncio.Event):
+    async with gate.request() as ticket:
+        events.append(f"{name} in")
+        await done.wait()
+    events.append(f"{name} out")
+    return ticket
+
+
+def test_wait_mode_waits_for_requests_inside_and_holds_new_ones_until_open():
     async def scenario():
-        gate = Admission()
-        events = []
-
-        async def request(name, seconds):
-            async with gate.request():
-                events.append(f"{name} in")
-                await asyncio.sleep(seconds)
-            events.append(f"{name} out")
-
-        first = asyncio.create_task(request("first", 0.2))
-        await asyncio.sleep(0.05)
-        closing = asyncio.create_task(gate.close())
-        await asyncio.sleep(0.05)
+        backend = Backend()
+        gate, events = backend.admission(), []
+        finish_first, finish_late = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(request(gate, events, "first", finish_first))
+        await until(lambda: events)
+        closing = asyncio.create_task(gate.close("wait"))
+        late = asyncio.create_task(request(gate, events, "late", finish_late))
+        await asyncio.sleep(0)
         assert not closing.done(), "close returned with a request inside"
-        late = asyncio.create_task(request("late", 0))
+        finish_first.set()
         await closing
         events.append("closed")
-        await asyncio.sleep(0.1)
-        assert not late.done(), "a request got in while closed"
-        gate.open()
+        assert "late in" not in events
+        await gate.open()
+        finish_late.set()
         await asyncio.gather(first, late)
-        return events
+        return events, backend.calls
 
-    assert asyncio.run(scenario()) == ["first in", "first out", "closed", "late in", "late out"]
+    events, calls = asyncio.run(scenario())
+    assert events == ["first in", "first out", "closed", "late in", "late out"]
+    assert calls == []  # "wait" never asks the backend
 
 
-def test_close_returns_at_once_when_idle():
+def test_keep_mode_freezes_without_waiting_and_records_the_new_version():
     async def scenario():
-        gate = Admission()
-        await asyncio.wait_for(gate.close(), timeout=1)
-        gate.open()
-        async with gate.request():
-            pass
+        backend = Backend()
+        gate, events, finish = backend.admission(), [], asyncio.Event()
+        inside = asyncio.create_task(request(gate, events, "a", finish))
+        await until(lambda: events)
+        await asyncio.wait_for(gate.close("keep"), 1)  # returns with the request frozen
+        assert gate.closed and not inside.done()
+        backend.version = 1  # a sync under the frozen request
+        await gate.open()
+        finish.set()
+        return (await inside).versions, backend.calls
 
-    asyncio.run(scenario())
+    versions, calls = asyncio.run(scenario())
+    assert versions == [0, 1]
+    assert calls == ["freeze", "thaw"]
+
+
+def test_closes_nest_and_idle_keep_asks_nothing():
+    """A trainer's pause around a sync's own pause and resume: the door opens
+    at the outer resume; with nothing inside, no freeze round trip."""
+
+    async def scenario():
+        backend = Backend()
+        gate = backend.admission()
+        await gate.close("keep")
+        await gate.close("keep")
+        await gate.open()
+        assert gate.closed
+        await gate.open()
+        assert not gate.closed
+        await gate.open()  # an unmatched resume is a no-op
+        async with gate.request() as ticket:
+            pass
+        return ticket.versions, backend.calls
+
+    assert asyncio.run(scenario()) == ([0], [])
+
+
+def test_abort_mode_ends_requests_and_a_bad_mode_changes_nothing():
+    async def scenario():
+        backend = Backend()
+        gate, events, finish = backend.admission(), [], asyncio.Event()
+        inside = asyncio.create_task(request(gate, events, "a", finish))
+        await until(lambda: events)
+        with pytest.raises(ValueError, match="'drain'"):
+            await gate.close("drain")
+        assert not gate.closed
+        closing = asyncio.create_task(gate.close("abort"))
+        await until(lambda: backend.calls)
+        assert backend.calls == ["abort"] and not closing.done()
+        finish.set()  # what the backend's abort makes the request do
+        await closing
+        await inside
+        await gate.open()
+        return backend.calls
+
+    assert asyncio.run(scenario()) == ["abort"]

@@ -55,4 +55,4 @@ def test_replace_engine_keeps_name_seed_and_bundles(engines):
     assert after["pid"] != before["pid"]
     # Same seed, same first request: the replacement replays the dead engine.
     again = ray.get(new.generate.remote([4, 5, 6], params), timeout=60)
-    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids

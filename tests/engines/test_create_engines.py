@@ -12,7 +12,7 @@ from engines import (
     create_vllm_engines,
     destroy_engines,
 )
-from engines.placement import placement_group_name
+from engines.naming import placement_group_name
 
 PROMPT = "The quick brown fox"
 
@@ -35,7 +35,7 @@ def live_groups(prefix: str) -> list[str]:
 
 def first_tokens(engine, params: SamplingParams) -> list[list[int]]:
     ids = ray.get(engine.encode.remote(PROMPT), timeout=30)
-    (output,) = ray.get(engine.generate.remote(ids, params), timeout=60)
+    output = ray.get(engine.generate.remote(ids, params), timeout=60)
     return [completion.token_ids for completion in output.outputs]
 
 
@@ -62,8 +62,7 @@ def test_usage_example_generates_tokens(two_engines):
     assert ray.get([e.ready.remote() for e in two_engines], timeout=120) == two_engines.names
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outputs = ray.get([e.generate_text.remote(PROMPT, params) for e in two_engines], timeout=60)
-    for engine_outputs, name in zip(outputs, two_engines.names, strict=True):
-        (output,) = engine_outputs
+    for output, name in zip(outputs, two_engines.names, strict=True):
         assert isinstance(output, RequestOutput)
         assert output.engine == name and output.weight_version == 0
         assert len(output.outputs[0].token_ids) == 8
@@ -132,5 +131,46 @@ def test_prompt_too_long_is_per_request(two_engines):
     with pytest.raises(PromptTooLongError, match="2048 tokens; max_len=2048"):
         ray.get(engine.generate.remote([5] * 2048, SamplingParams()), timeout=60)
     # The engine keeps serving.
-    (output,) = ray.get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), timeout=60)
+    output = ray.get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), timeout=60)
     assert len(output.outputs[0].token_ids) >= 1
+
+
+def test_openrlhf_keywords_and_calls_without_a_prefix(ray_local, tiny_model):
+    """OpenRLHF's keyword names (its train_ppo_ray.py call, by keyword), twice
+    in one namespace without a name_prefix: rollout and evaluation engines."""
+    openrlhf_call = dict(
+        num_engines=1,
+        tensor_parallel_size=1,
+        pretrain=tiny_model,
+        seed=42,
+        full_determinism=False,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        max_model_len=256,
+        shared_pg=None,
+        gpu_memory_utilization=None,
+        vllm_enable_sleep=True,
+        logprobs_mode="processed_logprobs",
+        agent_func_path=None,
+        remote_rm_url=None,
+        max_images_per_prompt=0,
+    )
+    rollout = create_vllm_engines(**openrlhf_call)
+    evaluation = create_vllm_engines(**openrlhf_call)
+    try:
+        assert rollout.name_prefix != evaluation.name_prefix
+        health = ray.get(rollout[0].health.remote(), timeout=60)
+        assert health["sleeping"] == ["kv_cache", "weights"]  # asleep once created
+        batch_vllm_engine_call(rollout, "wake_up")
+        params = SamplingParams(temperature=0.7, top_k=5, max_tokens=6, logprobs=1, seed=3)
+        output = ray.get(rollout[0].generate.remote([5, 6, 7], params), timeout=60)
+        # processed_logprobs: the distribution sampled from (top-k 5 of it).
+        for position, token in zip(
+            output.outputs[0].logprobs, output.outputs[0].token_ids, strict=True
+        ):
+            assert position[token].logprob > -1e9 and position[token].rank <= 5
+        with pytest.raises(Exception, match="max_logprobs=1"):
+            ray.get(rollout[0].generate.remote([5, 6, 7], SamplingParams(logprobs=2)), timeout=60)
+    finally:
+        destroy_engines(rollout)
+        destroy_engines(evaluation)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def reference(tiny_model):
 
 
 def tokens(engine, prompt, **params) -> list[list[int]]:
-    (output,) = run(engine.generate(prompt, SamplingParams(**params)))
+    output = run(engine.generate(prompt, SamplingParams(**params)))
     return [c.token_ids for c in output.outputs]
 
 
@@ -77,26 +78,26 @@ def test_seed_n_and_max_tokens(engine):
 
 
 def test_top_k_restricts_to_the_k_most_likely(engine, reference):
-    (output,) = run(
+    output = run(
         engine.generate(
             PROMPT, SamplingParams(top_k=3, logprobs=3, max_tokens=20, seed=3, ignore_eos=True)
         )
     )
     for entry, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids, strict=True):
-        top3 = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
+        top3 = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:3]
         assert token in {t for t, _ in top3}
 
 
 def test_stop_token_ids_and_min_tokens(engine):
     first = tokens(engine, PROMPT, temperature=0.0, max_tokens=1)[0][0]
-    (output,) = run(
+    output = run(
         engine.generate(
             PROMPT, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first])
         )
     )
     assert output.outputs[0].token_ids == [first]
     assert output.outputs[0].finish_reason == "stop"
-    (output,) = run(
+    output = run(
         engine.generate(
             PROMPT,
             SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[first], min_tokens=4),
@@ -116,9 +117,9 @@ def test_eos_stops_unless_ignored(tiny_model, tmp_path, engine):
     (model_dir / "generation_config.json").write_text(json.dumps(gen))
     eos_engine = make_engine(str(model_dir))
     try:
-        (out,) = run(eos_engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8)))
+        out = run(eos_engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8)))
         assert out.outputs[0].token_ids == [first] and out.outputs[0].finish_reason == "stop"
-        (out,) = run(
+        out = run(
             eos_engine.generate(
                 PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
             )
@@ -136,9 +137,11 @@ def test_logprobs_match_a_plain_forward_pass(engine, reference):
     completion = short.outputs[0]
     full = PROMPT + completion.token_ids
     expected = reference(full)
-    got_prompt = [entry[t] for entry, t in zip(short.prompt_logprobs[1:], PROMPT[1:], strict=True)]
+    got_prompt = [
+        entry[t].logprob for entry, t in zip(short.prompt_logprobs[1:], PROMPT[1:], strict=True)
+    ]
     got_sampled = [
-        entry[t] for entry, t in zip(completion.logprobs, completion.token_ids, strict=True)
+        entry[t].logprob for entry, t in zip(completion.logprobs, completion.token_ids, strict=True)
     ]
     assert short.prompt_logprobs[0] is None
     torch.testing.assert_close(
@@ -160,7 +163,7 @@ def test_batching_does_not_change_greedy_output(engine):
 
 def test_max_len_caps_generation(engine):
     prompt = list(range(10, 70))  # 60 tokens, max_len 64: room for 4
-    (out,) = run(engine.generate(prompt, SamplingParams(max_tokens=50, ignore_eos=True)))
+    out = run(engine.generate(prompt, SamplingParams(max_tokens=50, ignore_eos=True)))
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
 
 
@@ -192,3 +195,80 @@ def test_vllm_sampling_params_are_accepted_by_field_name():
 
     params = SamplingParams.coerce(VllmLike())
     assert (params.n, params.top_k, params.stop_token_ids, params.logprobs) == (2, 0, [], 1)
+
+
+def test_output_shape_is_vllms(engine, reference):
+    """One prompt (token ids or a TokensPrompt dict) gives one RequestOutput, a
+    list a list; logprobs are objects with `.logprob`, `.rank`, `.decoded_token`."""
+    params = SamplingParams(max_tokens=4, seed=1, logprobs=2, ignore_eos=True)
+    one = run(engine.generate(PROMPT, params))
+    assert (
+        one.outputs[0].token_ids
+        == run(engine.generate({"prompt_token_ids": PROMPT}, params)).outputs[0].token_ids
+    )
+    assert [o.prompt_token_ids for o in run(engine.generate([PROMPT, LONG_PROMPT], params))] == [
+        PROMPT,
+        LONG_PROMPT,
+    ]
+    (listed,) = run(engine.generate([{"prompt_token_ids": PROMPT}], params))
+    assert listed.prompt_token_ids == PROMPT
+    completion = one.outputs[0]
+    for position, token in zip(completion.logprobs, completion.token_ids, strict=True):
+        by_rank = sorted(position.values(), key=lambda lp: lp.rank)
+        assert [lp.logprob for lp in by_rank] == sorted(
+            (lp.logprob for lp in by_rank), reverse=True
+        )
+        assert by_rank[0].rank == 1 and position[token].rank >= 1
+        assert position[token].decoded_token == engine.tokenizer.decode([token])
+    assert one.weight_versions == [one.weight_version] == [0]
+    text = run(engine.generate_text("hello", params))
+    assert text.prompt == "hello" and text.prompt_token_ids == engine.encode("hello")
+    with pytest.raises(RequestError, match="multi_modal_data"):
+        run(engine.generate(PROMPT, params, multi_modal_data={"image": [object()]}))
+    assert run(engine.generate(PROMPT, params, multi_modal_data=None)).outputs
+
+
+def test_pause_keep_freezes_a_request_across_a_sync_and_resumes_it(tiny_model, tmp_path):
+    """pause_generation() (keep) returns within 1 s with a request in flight;
+    a weight sync runs under the frozen request; after resume_generation()
+    it continues on the new weights, and its output names both versions."""
+    from engines.weight_sync import checkpoint
+
+    engine = make_engine(tiny_model)
+    new_weights = {
+        name: tensor * 1.5 if "lm_head" in name or "embed" in name else tensor
+        for name, tensor in engine.worker.model.state_dict().items()
+    }
+    path = checkpoint.save(new_weights.items(), tmp_path / "v1", version=1)
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    old = tokens(engine, PROMPT, **greedy)[0]
+
+    async def scenario():
+        # Hold the model: the generation thread stops at its first forward
+        # pass, so the pause surely finds the request in flight.
+        engine._model_lock.acquire()
+        request = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(**greedy)))
+        while not engine._running:  # the thread took it into a batch
+            await asyncio.sleep(0.01)
+        pausing = asyncio.ensure_future(engine.pause_generation())
+        engine._model_lock.release()
+        started = time.monotonic()
+        await asyncio.wait_for(pausing, 1.0)
+        pause_s = time.monotonic() - started
+        assert not request.done() and (await engine.health())["paused"]
+        await engine.load_checkpoint(str(path), version=1)  # begin, load, finish
+        assert not request.done(), "the sync's own resume let the request go"
+        await engine.resume_generation()
+        return pause_s, await asyncio.wait_for(request, 60)
+
+    try:
+        pause_s, output = run(scenario())
+        new = [tokens(engine, PROMPT + old[:k], **greedy)[0] for k in range(1, 24)]
+    finally:
+        run(engine.shutdown())
+    assert pause_s < 1.0
+    assert (output.weight_version, output.weight_versions) == (0, [0, 1])
+    got = output.outputs[0].token_ids
+    assert got != old
+    # A prefix came from the old weights, the rest from the new ones.
+    assert any(got == old[:k] + new[k - 1][: 24 - k] for k in range(1, 24))

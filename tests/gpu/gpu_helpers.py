@@ -33,7 +33,7 @@ def reference_logprobs(model, prompt: list[int], completion: list[int]) -> list[
 def assert_logprob_parity(model, prompt: list[int], completion) -> None:
     """vLLM's sampled-token logprobs (a CompletionOutput) against transformers'."""
     pairs = zip(completion.logprobs, completion.token_ids, strict=True)
-    ours = [entry[token] for entry, token in pairs]
+    ours = [entry[token].logprob for entry, token in pairs]
     ref = reference_logprobs(model, prompt, list(completion.token_ids))
     diffs = [abs(a - b) for a, b in zip(ours, ref, strict=True)]
     mean = sum(diffs) / len(diffs)

@@ -1,6 +1,6 @@
 """The seed's usage example on real GPUs, then what one engine must do there:
 generate (batched, concurrent, seeded), reject bad requests and keep serving,
-report its GPU, pause/resume and sleep/wake."""
+report its GPU, pause/resume (keep across a sync, wait, abort) and sleep/wake."""
 
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ def test_usage_example_generates_on_every_engine(ray_gpu, engines, hf_reference)
             assert len(completion.token_ids) == 32 and completion.finish_reason == "length"
             for entry, token in zip(completion.logprobs, completion.token_ids, strict=True):
                 assert token in entry and len(entry) <= 3
-                assert all(value <= 0.0 for value in entry.values())
+                assert all(lp.logprob <= 0.0 for lp in entry.values())
             pairs = zip(completion.logprobs, completion.token_ids, strict=True)
-            sampled = sum(entry[token] for entry, token in pairs)
+            sampled = sum(entry[token].logprob for entry, token in pairs)
             assert completion.cumulative_logprob == pytest.approx(sampled, abs=1e-3)
     # Same weights and greedy decoding: every engine (GPU) gives the same tokens.
     tokens = [[o.outputs[0].token_ids for o in outputs] for outputs in results]
@@ -115,8 +115,8 @@ def test_n_samples_and_seeds(ray_gpu, engines):
     results = ray.get(
         [engine.generate.remote(prompt, p) for p in (ours, ours, native)], timeout=TIMEOUT_S
     )
-    samples = [[c.token_ids for c in result[0].outputs] for result in results]
-    assert [c.index for c in results[0][0].outputs] == [0, 1, 2, 3]
+    samples = [[c.token_ids for c in result.outputs] for result in results]
+    assert [c.index for c in results[0].outputs] == [0, 1, 2, 3]
     assert len({tuple(s) for s in samples[0]}) > 1  # different samples, not copies
     # Same seed, same tokens; a vllm.SamplingParams passed as is behaves the same.
     assert samples[1] == samples[0] and samples[2] == samples[0]
@@ -131,7 +131,7 @@ def test_bad_requests_leave_the_engine_serving(ray_gpu, engines):
         ray.get(engine.generate.remote([7, 100_000], GREEDY), timeout=TIMEOUT_S)
     with pytest.raises(RequestError):
         ray.get(engine.generate.remote([7, 8], {"n": 2, "temperature": 0.0}), timeout=TIMEOUT_S)
-    (output,) = ray.get(engine.generate.remote([7, 8, 9], GREEDY), timeout=TIMEOUT_S)
+    output = ray.get(engine.generate.remote([7, 8, 9], GREEDY), timeout=TIMEOUT_S)
     assert len(output.outputs[0].token_ids) == 32
 
 
@@ -152,20 +152,63 @@ def test_health_names_the_gpu(ray_gpu, engines):
     assert len({h["gpus"][0]["gpu_uuid"] for h in healths}) == len(engines)
 
 
-def test_pause_waits_for_work_in_flight_and_queues_new_work(ray_gpu, engines):
-    ray = ray_gpu
-    engine = engines[0]
-    long = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+def pause_with_work_in_flight(ray, engine, mode: str, max_tokens: int):
+    """Start a long greedy request, pause in `mode` once it is inside vLLM (a
+    fixed sleep raced with a busy host); returns its ref and the pause's seconds."""
+    long = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     running = engine.generate.remote([7, 8, 9], long)
-    # Pause once the request is inside vLLM (a fixed sleep raced with a busy
-    # host: a request not yet let in when the pause comes waits instead).
     deadline = time.monotonic() + TIMEOUT_S
     while not ray.get(engine.get_num_unfinished_requests.remote(), timeout=TIMEOUT_S):
         assert time.monotonic() < deadline, "the request never reached the engine"
         time.sleep(0.01)
-    ray.get(engine.pause_generation.remote(), timeout=TIMEOUT_S)
+    start = time.monotonic()
+    ray.get(engine.pause_generation.remote(mode=mode), timeout=TIMEOUT_S)
+    return running, time.monotonic() - start
+
+
+def test_pause_keep_freezes_work_in_flight_across_a_weight_sync(
+    ray_gpu, engines, hf_reference, tmp_path
+):
+    """OpenRLHF's pause (vLLM's mode="keep"): returns within 1 s with a long
+    request in flight, a sync runs under the frozen request, and after resume
+    it finishes, its output naming both weight versions."""
+    from engines.weight_sync import checkpoint
+
+    ray = ray_gpu
+    engine = engines[0]
+    served = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["weight_version"]
+    weights = hf_reference.state_dict()  # the engine's weights, in its dtype
+    original = checkpoint.save(weights.items(), tmp_path / "original")
+    scaled = {
+        name: tensor * 1.5 if "lm_head" in name or "embed" in name else tensor
+        for name, tensor in weights.items()
+    }
+    path = checkpoint.save(scaled.items(), tmp_path / "scaled")
+    running, pause_s = pause_with_work_in_flight(ray, engine, "keep", 1536)
+    print(f"pause_generation(keep) with a request in flight: {pause_s * 1000:.0f} ms")
+    assert pause_s < 1.0
+    queued = engine.generate.remote([7, 8, 9], GREEDY)
+    ready, _ = ray.wait([running, queued], num_returns=1, timeout=2.0)
+    assert not ready, "a paused engine generated"
+    ray.get(engine.load_checkpoint.remote(str(path), version=served + 1), timeout=TIMEOUT_S)
+    ready, _ = ray.wait([running, queued], num_returns=1, timeout=1.0)
+    assert not ready, "the sync's own resume let requests go"
+    ray.get(engine.resume_generation.remote(), timeout=TIMEOUT_S)
+    output = ray.get(running, timeout=TIMEOUT_S)
+    assert output.outputs[0].finish_reason == "length"
+    assert len(output.outputs[0].token_ids) == 1536
+    assert output.weight_versions == [served, served + 1]
+    assert ray.get(queued, timeout=TIMEOUT_S).weight_versions == [served + 1]
+    # Back to the model's weights for the tests after this one.
+    ray.get(engine.load_checkpoint.remote(str(original), version=served + 2), timeout=TIMEOUT_S)
+
+
+def test_pause_wait_lets_work_in_flight_finish_and_queues_new_work(ray_gpu, engines):
+    ray = ray_gpu
+    engine = engines[0]
+    running, _ = pause_with_work_in_flight(ray, engine, "wait", 1024)
     # The request in flight ran to completion, not aborted.
-    (output,) = ray.get(running, timeout=5)
+    output = ray.get(running, timeout=5)
     assert output.outputs[0].finish_reason == "length"
     assert len(output.outputs[0].token_ids) == 1024
     queued = engine.generate.remote([7, 8, 9], GREEDY)
@@ -173,15 +216,26 @@ def test_pause_waits_for_work_in_flight_and_queues_new_work(ray_gpu, engines):
     assert not ready, "a paused engine generated"
     assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["paused"]
     ray.get(engine.resume_generation.remote(), timeout=TIMEOUT_S)
-    (output,) = ray.get(queued, timeout=TIMEOUT_S)
+    output = ray.get(queued, timeout=TIMEOUT_S)
     assert len(output.outputs[0].token_ids) == 32
+
+
+def test_pause_abort_ends_work_in_flight(ray_gpu, engines):
+    ray = ray_gpu
+    engine = engines[0]
+    running, _ = pause_with_work_in_flight(ray, engine, "abort", 1536)
+    output = ray.get(running, timeout=5)
+    assert output.outputs[0].finish_reason == "abort"
+    assert len(output.outputs[0].token_ids) < 1536
+    ray.get(engine.resume_generation.remote(), timeout=TIMEOUT_S)
+    assert ray.get(engine.generate.remote([7, 8, 9], GREEDY), timeout=TIMEOUT_S).outputs
 
 
 def test_sleep_frees_gpu_memory_and_wake_up_restores_service(ray_gpu, engines):
     ray = ray_gpu
     engine = engines[0]
     prompt = [7, 8, 9, 10]
-    (before,) = ray.get(engine.generate.remote(prompt, GREEDY), timeout=TIMEOUT_S)
+    before = ray.get(engine.generate.remote(prompt, GREEDY), timeout=TIMEOUT_S)
     awake = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["gpus"][0]
 
     start = time.monotonic()
@@ -204,6 +258,6 @@ def test_sleep_frees_gpu_memory_and_wake_up_restores_service(ray_gpu, engines):
         f"({freed / budget:.0%} of the engine's budget); wake_up {woke_s:.2f}s"
     )
     assert freed > 0.8 * budget
-    (after,) = ray.get(engine.generate.remote(prompt, GREEDY), timeout=TIMEOUT_S)
+    after = ray.get(engine.generate.remote(prompt, GREEDY), timeout=TIMEOUT_S)
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
     assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["sleeping"] == []

@@ -45,7 +45,7 @@ def test_two_engines_share_one_gpu_through_shared_pg(
         print(f"shared_pg engines on {uuids}")
         assert len(uuids) == 1, "the engines of one shared bundle pair sit on different GPUs"
         results = ray.get([e.generate.remote(PROMPT, GREEDY) for e in engines], timeout=TIMEOUT_S)
-        a, b = (r[0].outputs[0] for r in results)
+        a, b = (r.outputs[0] for r in results)
         assert a.token_ids == b.token_ids and len(a.token_ids) == 32
         assert_logprob_parity(hf_reference, PROMPT, a)
     finally:
@@ -76,7 +76,7 @@ def test_tensor_parallel_engine_through_vllm_ray_executor(
         print(f"TP=2 workers: {health['gpus']}")
         assert [g["rank"] for g in health["gpus"]] == [0, 1]
         assert len({g["gpu_uuid"] for g in health["gpus"]}) == 2
-        (output,) = ray.get(engines[0].generate.remote(PROMPT, GREEDY), timeout=TIMEOUT_S)
+        output = ray.get(engines[0].generate.remote(PROMPT, GREEDY), timeout=TIMEOUT_S)
         assert len(output.outputs[0].token_ids) == 32
         assert_logprob_parity(hf_reference, PROMPT, output.outputs[0])
         assert ray.get(engines[0].reset_prefix_cache.remote(), timeout=TIMEOUT_S) is True
@@ -97,7 +97,7 @@ def test_tensor_parallel_engine_through_vllm_ray_executor(
 
         synced = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         synced = synced.to(hf_reference.device).eval()
-        (output,) = ray.get(engines[0].generate.remote(PROMPT, GREEDY), timeout=TIMEOUT_S)
+        output = ray.get(engines[0].generate.remote(PROMPT, GREEDY), timeout=TIMEOUT_S)
         assert output.weight_version == 2
         assert_logprob_parity(synced, PROMPT, output.outputs[0])
     finally:

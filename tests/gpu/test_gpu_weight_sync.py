@@ -35,7 +35,10 @@ def engine_logprobs(ray, engine) -> list[list[float]]:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outputs = ray.get(engine.generate.remote(SEQUENCES, params), timeout=TIMEOUT_S)
     return [
-        [step[t] for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)]
+        [
+            step[t].logprob
+            for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
+        ]
         for o in outputs
     ]
 
@@ -71,7 +74,7 @@ def sync_and_check(ray, engine, policy, before, seed: int, scale: float = 0.02) 
     moved, _ = diffs(before, after)
     print(f"sync v{version} moved the engine's logprobs by up to {moved:.3f}")
     assert moved > MOVED_MIN, f"the engine's logprobs barely moved ({moved:.4f})"
-    (out,) = ray.get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=4)), timeout=60)
+    out = ray.get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=4)), timeout=60)
     assert out.weight_version == version
     return report
 

@@ -37,7 +37,7 @@ class FakeEngine:
             raise PromptTooLongError("prompt 0 has 9999 tokens")
         await asyncio.sleep(self.delay_s)
         completion = CompletionOutput(0, [1, 2], "xy", "length")
-        return [RequestOutput("r", [3], [completion], weight_version=0, engine=self.name)]
+        return RequestOutput("r", [3], [completion], weight_version=0, engine=self.name)
 
 
 def fake_pool(*specs: dict) -> EnginePool:

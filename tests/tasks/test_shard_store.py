@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from engines.outputs import CompletionOutput, RequestOutput
+from engines.outputs import CompletionOutput, Logprob, RequestOutput
 from tasks.prompts import PromptRecord, column_types
 from tasks.records import rows_for, with_input
 from tasks.shards import (
@@ -41,7 +41,10 @@ def sample_rows(shard: Shard) -> list[dict]:
                 token_ids=[5, 6],
                 text="hi",
                 finish_reason="length",
-                logprobs=[{5: -0.5, 9: -1.0}, {6: -0.25, 7: -0.1}],
+                logprobs=[
+                    {5: Logprob(-0.5), 9: Logprob(-1.0)},
+                    {6: Logprob(-0.25), 7: Logprob(-0.1)},
+                ],
                 cumulative_logprob=-0.75,
             )
         ],

@@ -74,7 +74,7 @@ def engine_logprobs(engine) -> list[list[float]]:
     outputs = get(engine.generate.remote(SEQUENCES, params), 60)
     return [
         [
-            step[token]
+            step[token].logprob
             for step, token in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
         ]
         for o in outputs
@@ -165,7 +165,7 @@ def test_sync_makes_engines_match_the_trainer(setup):
         (version, False, False)
     ] * 2
     out = get(engines[1].generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), 30)
-    assert out[0].weight_version == version
+    assert out.weight_version == version
     # Nothing new: nothing to send.
     assert get(policy.sync_weights.remote(), 60)["skipped"]
 
@@ -217,7 +217,7 @@ def test_trainer_killed_mid_sync_engines_restore_old_weights(setup):
     assert [(s["weight_version"], s["stale"]) for s in states] == [(old_version, False)] * 2
     assert_weights(engines, old)
     out = get(engines[0].generate.remote([1, 2, 3], SamplingParams(max_tokens=2)), 30)
-    assert out[0].weight_version == old_version
+    assert out.weight_version == old_version
     assert time.monotonic() - started < 120
 
 
@@ -237,7 +237,7 @@ def test_openrlhf_trainer_in_another_process_updates_the_engines(setup, tiny_mod
         (old_version + 1, False, False)
     ] * 2
     out_ = get(engines[0].generate.remote([1, 2, 3], SamplingParams(max_tokens=2)), 30)
-    assert out_[0].weight_version == old_version + 1
+    assert out_.weight_version == old_version + 1
 
 
 def test_openrlhf_trainer_killed_mid_sync_leaves_engines_stale(setup, tiny_model, tmp_path):
