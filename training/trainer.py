@@ -22,6 +22,7 @@ from engines.weight_sync import (
 )
 from engines.weight_sync import checkpoint as ckpt
 from engines.weight_sync.coordinator import as_engine_list
+from engines.weight_sync.protocol import WeightSender
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Trainer(abc.ABC):
         """(HF name, tensor) of every weight the engines serve, in a fixed order."""
 
     # --- weight sync --------------------------------------------------------------
-    _sender: Any = None
+    _sender: WeightSender | None = None
     _engines: list[Any] | None = None
     # The version the engines were last synced to; None: unknown (they loaded
     # the pretrained weights, the same as the trainer's version 0 if the

@@ -345,7 +345,9 @@ def worker_receive_shared(
         # Nothing for end_weight_sync to do, unless a layerwise reload must finish.
         holds_sync_state=worker.reloading,
     )
-    if signal and keep:
+    # A layerwise reload (models not proven for replay) still reads the
+    # trainer's tensors when it finishes: no early answer then.
+    if signal and keep and not worker.reloading:
         # Forward passes run on this thread's stream too, after the copies
         # queued here, so no request can read a half-copied weight. The
         # tensors stay mapped (`keep`) while the GPU still reads them.

@@ -16,9 +16,23 @@ Answers from a worker cross vLLM's msgpack RPC, which takes plain data only:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from engines.weight_sync.coordinator import SyncReport
+
+
+class WeightSender(Protocol):
+    """A transport's trainer side (`BroadcastSender`, `CudaIpcSender`):
+    `init(engines)` -> `sync(weights, version)` per iteration -> `close()`."""
+
+    transport: str
+
+    def init(self, engines: list[Any]) -> Any: ...
+    def sync(self, weights: Sequence[tuple[str, Any]], version: int) -> SyncReport: ...
+    def close(self) -> None: ...
 
 
 class EngineHost(Protocol):

@@ -165,6 +165,12 @@ class WorkerWeights:
 
             self.reloading = False
             finalize_layerwise_reload(self.model(), self.host.model_config)
+            # It may read a colocated trainer's tensors, which the trainer
+            # writes again once the sync returns.
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(self.device)
 
     def copy_plan_status(self) -> dict:
         """Whether loads replay recorded copies (and how many), or why not."""
