@@ -110,7 +110,7 @@ class RolloutParams(BaseModel):
         description="Reward function, 'module:function'. Set: after each iteration the "
         "reference policy scores the rollouts, takes a GRPO step and its weights are synced "
         "into the engines before the next iteration. Empty: plain rollouts.",
-        examples=["training.tasks.last_letter:reward"],
+        examples=["training.letter_task:reward"],
     )
     reward_style: Literal["batch", "openrlhf", "verl"] = Field(
         "batch",

@@ -51,7 +51,7 @@ def test_letter_task_verifies_against_the_label():
         0.0,
     ]
     rows = make_rows(8, seed=1)
-    assert all(row["prompt"].endswith(f"{row['answer']}?") for row in rows)
+    assert all(row["prompt"].endswith(row["answer"]) for row in rows)
     assert len({row["id"] for row in rows}) == 8
     assert make_rows(8, seed=1) == rows  # deterministic
 
