@@ -1,5 +1,5 @@
-"""Rewards that break, for the flow tests (imported by path in the reward
-actor: `tests.flows.bad_rewards:<name>`, from the repository root)."""
+"""Rewards that break, for the flow tests (loaded from this file by the
+reward actor: `<path of this file>:<name>`)."""
 
 from __future__ import annotations
 
@@ -16,3 +16,10 @@ def nan_for_one(samples):
 
 def one_short(samples):
     return [0.0] * (len(samples) - 1)
+
+
+def slow(samples):
+    import time
+
+    time.sleep(60)
+    return [0.0] * len(samples)

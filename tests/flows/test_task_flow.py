@@ -72,7 +72,7 @@ def test_a_bad_row_fails_before_anything_is_created(
 def test_a_bad_reward_fails_the_run_naming_the_sample(
     ray_local, tiny_model, tmp_path, reward, message
 ):
-    path = f"tests.flows.bad_rewards:{reward}"
+    path = f"{REPO / 'tests' / 'flows' / 'bad_rewards.py'}:{reward}"
     state = run(tiny_model, tmp_path, reward=path, n=2, max_tokens=4)
     with pytest.raises(RewardError, match=re.escape(f"reward {path} {message}")):
         state.result()
