@@ -107,10 +107,11 @@ class RolloutParams(BaseModel):
     # --- training (the on-policy loop) -------------------------------------------
     reward: str | None = Field(
         None,
-        description="Reward function, 'module:function'. Set: after each iteration the "
-        "reference policy scores the rollouts, takes a GRPO step and its weights are synced "
-        "into the engines before the next iteration. Empty: plain rollouts.",
-        examples=["training.tasks.last_letter:reward"],
+        description="Reward function, 'module:function' or 'file.py:function'. Set: after "
+        "each iteration the rollouts are scored, the reference policy takes a GRPO step and "
+        "its weights are synced into the engines before the next iteration. Empty: plain "
+        "rollouts.",
+        examples=["training.letter_task:reward"],
     )
     reward_style: Literal["batch", "openrlhf", "verl"] = Field(
         "batch",

@@ -33,6 +33,7 @@ from tasks.shards import prepare_run_dir, set_aside_iterations, write_atomically
 from tasks.sync_weights import init_weight_sync, sync_weights
 from tasks.train import start_policy, train_on_rollouts
 from training.config import PolicyConfig
+from training.rewards import absolute as reward_path
 from training.rewards import load_reward, start_reward_scorer
 
 SUMMARY_FILE = "summary.json"
@@ -125,7 +126,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             )
             init_weight_sync(policy, list(pool.engines))
             scorer = start_reward_scorer(
-                params.reward,
+                reward_path(params.reward),
                 params.reward_style,
                 name=scope.reward_name,
                 namespace=scope.namespace,

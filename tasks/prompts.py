@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ class PromptFields:
     id: str | None = None
 
 
-ChatTemplate = Any  # callable(messages) -> str
+ChatTemplate = Callable[[list[dict[str, str]]], str]
 
 
 def read_prompts(

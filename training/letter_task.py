@@ -1,7 +1,6 @@
-"""A labelled task small enough for the tiny model to learn on a CPU in a
-few GRPO steps: "answer with the last letter of the word". The words use a
-four-letter alphabet, so the answer is one of a, b, c, d and depends on the
-prompt.
+"""A labelled task small enough for the tiny model to make progress on, on a
+CPU, in a few GRPO steps: "answer with the last letter of the word". The
+words use a two-letter alphabet; the answers take turns between a and b.
 
     python -m training.letter_task data/letter_task.jsonl   # writes the dataset
 
@@ -26,11 +25,15 @@ def make_rows(count: int, seed: int = 0, length: int = 4) -> list[dict[str, str]
     rng = random.Random(seed)
     rows = []
     for i in range(count):
-        word = "".join(rng.choice(ALPHABET) for _ in range(length))
+        # Answers take turns, so a policy that always gives one letter scores
+        # 1/len(ALPHABET), and only answering from the prompt scores more.
+        word = (
+            "".join(rng.choice(ALPHABET) for _ in range(length - 1)) + ALPHABET[i % len(ALPHABET)]
+        )
         rows.append(
             {
                 "id": f"letter-{i:04d}",
-                "prompt": f"Last letter of {word}?",
+                "prompt": f"Last letter of {word}",
                 "answer": word[-1],
                 "data_source": DATA_SOURCE,
             }
@@ -54,7 +57,7 @@ def reward(samples: list[RewardInput]) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
-    parser.add_argument("--count", type=int, default=32)
+    parser.add_argument("--count", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rows = make_rows(args.count, args.seed)

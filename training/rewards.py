@@ -17,10 +17,12 @@ unchanged:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 RewardStyle = Literal["batch", "openrlhf", "verl"]
@@ -54,15 +56,20 @@ BatchReward = Callable[[list[RewardInput]], Sequence[float]]
 
 
 def load_reward(path: str, style: str = "batch") -> BatchReward:
-    """The callable at `path` ("module:attribute"), adapted to a batch reward."""
+    """The callable at `path`, adapted to a batch reward: "module:attribute",
+    or "file.py:attribute" (as OpenRLHF's `--remote_rm_url reward_func.py`;
+    the file must be readable where the reward runs)."""
     if style not in STYLES:
         raise ValueError(f"reward style must be one of {STYLES}, got {style!r}")
     if not isinstance(path, str) or path.count(":") != 1:
-        raise ValueError(f"reward must be 'package.module:function', got {path!r}")
+        raise ValueError(
+            f"reward must be 'package.module:function' or 'file.py:function', got {path!r}"
+        )
     module_name, attr = path.split(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
+        module = import_file(module_name) if module_name.endswith(".py") else None
+        module = module or importlib.import_module(module_name)
+    except (ImportError, OSError) as exc:
         raise ValueError(f"reward {path!r}: cannot import {module_name!r}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -72,6 +79,26 @@ def load_reward(path: str, style: str = "batch") -> BatchReward:
     if style == "verl":
         return verl_adapter(fn)
     return fn
+
+
+def import_file(path: str) -> Any:
+    """The module in the Python file at `path`."""
+    location = Path(path)
+    if not location.is_file():
+        raise ImportError(f"no file {location.absolute()}")
+    spec = importlib.util.spec_from_file_location(f"reward_file_{location.stem}", location)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def absolute(path: str) -> str:
+    """`path` with a reward file made absolute (the reward actor may run in
+    another working directory); a module path as it is."""
+    module_name, _, attr = path.partition(":")
+    if module_name.endswith(".py"):
+        return f"{Path(module_name).absolute()}:{attr}"
+    return path
 
 
 def openrlhf_adapter(reward_func: Callable) -> BatchReward:

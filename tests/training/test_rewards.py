@@ -8,6 +8,7 @@ import math
 import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,8 @@ from training.rewards import (
     target_chars_fraction,
 )
 from training.rollouts import groups_from_rows
+
+BAD = Path(__file__).resolve().parents[1] / "flows" / "bad_rewards.py"
 
 
 def sample(response: str, tokens: int | None = None, **kw) -> RewardInput:
@@ -51,7 +54,7 @@ def test_letter_task_verifies_against_the_label():
         0.0,
     ]
     rows = make_rows(8, seed=1)
-    assert all(row["prompt"].endswith(f"{row['answer']}?") for row in rows)
+    assert all(row["prompt"].endswith(row["answer"]) for row in rows)
     assert len({row["id"] for row in rows}) == 8
     assert make_rows(8, seed=1) == rows  # deterministic
 
@@ -60,13 +63,16 @@ def test_reward_is_loaded_by_import_path():
     assert load_reward("training.rewards:target_chars_fraction") is target_chars_fraction
     with pytest.raises(
         ValueError,
-        match="must be 'package.module:function', got 'training.rewards.target_chars_fraction'",
+        match="or 'file.py:function', got 'training.rewards.target_chars_fraction'",
     ):
         load_reward("training.rewards.target_chars_fraction")
     with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
         load_reward("no_such_module:f")
     with pytest.raises(ValueError, match="no callable 'nope'"):
         load_reward("training.rewards:nope")
+    assert load_reward(f"{BAD}:one_short")([1, 2]) == [0.0]  # a file, as OpenRLHF takes
+    with pytest.raises(ValueError, match="cannot import 'nope.py': no file"):
+        load_reward("nope.py:f")
     with pytest.raises(ValueError, match="reward style must be one of"):
         load_reward("training.rewards:target_chars_fraction", "trl")
 
@@ -189,3 +195,27 @@ def test_rows_group_by_prompt_in_sample_order_with_their_rewards():
     assert groups[0].samples[0].weight_version == 3
     with pytest.raises(ValueError, match="no reward"):
         _ = groups_from_rows([row(0, 0, "x", None)])[0].rewards
+
+
+def test_scorer_actor_scores_and_passes_errors_and_deadlines(ray_local):
+    import ray
+
+    from training.rewards import RewardTimeoutError, score_remote, start_reward_scorer
+
+    samples = [sample("bb", id="x", label="b"), sample("ab", id="y", label="b")]
+    scorers = [
+        start_reward_scorer(path, "batch")
+        for path in ("training.letter_task:reward", f"{BAD}:nan_for_one", f"{BAD}:slow")
+    ]
+    good, bad, slow = scorers
+    try:
+        assert score_remote(good, samples, timeout_s=60) == [1.0, 0.5]
+        nan_sample = sample("b", id="letter-0003")
+        nan_sample = RewardInput(**{**nan_sample.__dict__, "sample": 1})
+        with pytest.raises(RewardError, match=r"gave nan for id='letter-0003' sample 1"):
+            score_remote(bad, [nan_sample], timeout_s=60)
+        with pytest.raises(RewardTimeoutError, match="no answer within 1.0s for a batch of 2"):
+            score_remote(slow, samples, timeout_s=1.0)
+    finally:
+        for scorer in scorers:
+            ray.kill(scorer)

@@ -1,0 +1,79 @@
+"""The rollout flow on a labelled task with bad input: a bad row fails the
+run before anything is created, naming its line; a reward that raises,
+returns NaN or the wrong count fails it naming the sample and the value.
+Either way nothing is left on the cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from rollout_support import REPO, nothing_left, run_dirs, small_run
+
+from flows.params import RolloutParams
+from flows.rollout import rollout
+from tasks.prompts import PromptsFileError
+from training.rewards import RewardError
+
+LETTERS = REPO / "data" / "letter_task.jsonl"
+
+
+def run(model, tmp_path, **overrides):
+    task = {"prompts_path": str(LETTERS), "label_field": "answer", "id_field": "id"}
+    params = RolloutParams(
+        **small_run(model, tmp_path / "out", **{**task, "num_engines": 1, **overrides})
+    )
+    state = rollout(params, return_state=True)
+    assert state.is_failed(), state
+    return state
+
+
+@pytest.mark.parametrize(
+    ("rows", "overrides", "message"),
+    [
+        (
+            [{"id": "a", "prompt": "x", "answer": "a"}, {"id": "b", "prompt": "y"}],
+            {},
+            "line 2: no field 'answer'",
+        ),
+        (
+            [{"id": "a", "prompt": [{"role": "user"}], "answer": "a"}],
+            {"apply_chat_template": True},
+            "line 1: field 'prompt': message 0 needs a string 'content'",
+        ),
+    ],
+)
+def test_a_bad_row_fails_before_anything_is_created(
+    ray_local, tiny_model, tmp_path, rows, overrides, message
+):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    state = run(tiny_model, tmp_path, prompts_path=str(path), **overrides)
+    with pytest.raises(PromptsFileError, match=re.escape(f"{path} {message}")):
+        state.result()
+    assert run_dirs(tmp_path / "out") == []  # not even the run's directory
+    nothing_left(str(state.state_details.flow_run_id))
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        (
+            "raises",
+            "raised on a batch of 16 samples (id='letter-0000' sample 0, "
+            "id='letter-0000' sample 1, id='letter-0001' sample 0, ...): "
+            "RuntimeError: verifier down",
+        ),
+        ("nan_for_one", "gave nan for id='letter-0003' sample 1: not a finite number"),
+        ("one_short", "returned 15 values for 16 samples"),
+    ],
+)
+def test_a_bad_reward_fails_the_run_naming_the_sample(
+    ray_local, tiny_model, tmp_path, reward, message
+):
+    path = f"{REPO / 'tests' / 'flows' / 'bad_rewards.py'}:{reward}"
+    state = run(tiny_model, tmp_path, reward=path, n=2, max_tokens=4)
+    with pytest.raises(RewardError, match=re.escape(f"reward {path} {message}")):
+        state.result()
+    nothing_left(str(state.state_details.flow_run_id))
