@@ -122,6 +122,12 @@ class RolloutParams(BaseModel):
     reward_timeout_s: float = Field(
         300.0, gt=0.0, le=86_400.0, description="Deadline for scoring one shard (in Ray)."
     )
+    train: bool = Field(
+        True,
+        description="With a reward: the policy trains on the scored rollouts and its weights "
+        "are synced into the engines after each iteration. False: the rollouts are only "
+        "scored (an evaluation run; no policy is started).",
+    )
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="The policy's step size.")
 
     # --- loop and output -----------------------------------------------------

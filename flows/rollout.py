@@ -84,7 +84,8 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     run_dir = prepare_run_dir(
         Path(params.output_dir) / scope.run_id, manifest(params, prompts, model)
     )
-    if params.reward and (aside := set_aside_iterations(run_dir, scope.attempt)):
+    on_policy = bool(params.reward) and params.train
+    if on_policy and (aside := set_aside_iterations(run_dir, scope.attempt)):
         logger.warning("on-policy run restarts its iterations; earlier rollouts moved to %s", aside)
     cluster = provision_cluster(
         scope=scope,
@@ -93,7 +94,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         backend=params.backend,
         num_engines=params.num_engines,
         tensor_parallel_size=params.tensor_parallel_size,
-        with_policy=bool(params.reward),
+        with_policy=on_policy,
     )
     pool: EnginePool | None = None
     policy = None
@@ -116,7 +117,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             engine_kwargs=params.engine_kwargs,
         )
         wait_until_ready.with_options(retries=params.engine_retries)(pool, params.ready_timeout_s)
-        if params.reward:
+        if on_policy:
             policy = start_policy(
                 policy_config(params, model, pool.engines.backend),
                 name=scope.policy_name,
@@ -125,6 +126,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 ready_timeout_s=params.ready_timeout_s,
             )
             init_weight_sync(policy, list(pool.engines))
+        if params.reward:
             scorer = start_reward_scorer(
                 reward_path(params.reward),
                 params.reward_style,
@@ -241,6 +243,7 @@ def manifest(params: RolloutParams, prompts, model: str) -> dict:
         "output_format": params.output_format,
         "reward": params.reward,
         "reward_style": params.reward_style,
+        "train": params.train,
         "learning_rate": params.learning_rate,
     }
 

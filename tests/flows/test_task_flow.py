@@ -77,3 +77,33 @@ def test_a_bad_reward_fails_the_run_naming_the_sample(
     with pytest.raises(RewardError, match=re.escape(f"reward {path} {message}")):
         state.result()
     nothing_left(str(state.state_details.flow_run_id))
+
+
+def test_score_only_run_scores_rows_and_starts_no_policy(ray_local, tiny_model, tmp_path):
+    """`train=False`: an evaluation run; rows carry the verifier's rewards and
+    no policy actor is started (the flow's resources need no policy slot)."""
+    from tasks.shards import read_rows
+    from training.letter_task import score_one
+
+    task = {"prompts_path": str(LETTERS), "label_field": "answer", "id_field": "id"}
+    params = RolloutParams(
+        **small_run(
+            tiny_model,
+            tmp_path / "out",
+            **task,
+            num_engines=1,
+            reward="training.letter_task:reward",
+            train=False,
+            n=2,
+            max_tokens=4,
+        )
+    )
+    summary = rollout(params)
+    assert summary.training == []
+    (run_dir,) = run_dirs(tmp_path / "out")
+    rows = read_rows(run_dir / "iter-000")
+    assert len(rows) == 2 * len(LETTERS.read_text().splitlines())
+    assert all(row["weight_version"] == 0 for row in rows)
+    for row in rows:
+        assert row["reward"] == pytest.approx(score_one(row["response"], row["label"]))
+    nothing_left(summary.run_id)
