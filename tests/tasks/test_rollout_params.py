@@ -68,8 +68,8 @@ def test_cli_reads_yaml(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--num-engines", "zero"], "num_engines"),
-        (["--temperature", "-1"], "temperature"),
+        (["--num-engines", "zero"], "--num-engines 'zero'"),
+        (["--temperature", "-1"], "--temperature '-1'"),
     ],
 )
 def test_cli_rejects_bad_flags_naming_the_field(argv, message):
