@@ -37,12 +37,18 @@ from engines.env import (  # noqa: E402
 from flows import lifetime  # noqa: E402
 from flows.params import RolloutParams  # noqa: E402
 
-#: What `rolloutflow` with no --config/flags runs: the on-policy loop for a
-#: few iterations, so the first run shows a policy learning. Applied under
-#: the user's config and flags; `--plain` drops it.
+#: What `rolloutflow` runs unless told otherwise: the on-policy loop for a
+#: few iterations, so the first run shows a policy learning (the README's toy
+#: task: mean reward from about 0.1 to 0.9). One engine: on a small machine
+#: each engine's start-up costs seconds. Applied under the user's config and
+#: flags; `--plain` drops it.
 DEMO_PRESET: dict[str, Any] = {
     "reward": "training.rewards:target_chars_fraction",
-    "iterations": 3,
+    "iterations": 4,
+    "learning_rate": 0.03,
+    "n": 8,
+    "max_tokens": 16,
+    "num_engines": 1,
 }
 
 STOPPED_EXIT = {"SIGTERM": 143, "SIGINT": 130}  # 128 + the signal, as a shell reports it
@@ -50,6 +56,10 @@ STOPPED_EXIT = {"SIGTERM": 143, "SIGINT": 130}  # 128 + the signal, as a shell r
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def show(value: Any) -> str:
+    return "none" if value is None or value == {} else str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(no reward, one iteration), as a deployment runs it.",
     )
     for name, field in RolloutParams.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        shown = "none" if default is None or default == {} else default
+        shown = show(field.get_default(call_default_factory=True))
+        if name in DEMO_PRESET:
+            shown = f"{show(DEMO_PRESET[name])}; with --plain {shown}"
         text = f"{field.description or field.title or ''} (default: {shown})"
         if field.annotation is bool:
             parser.add_argument(
