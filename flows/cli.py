@@ -182,6 +182,24 @@ def start_local_ray(params: RolloutParams) -> bool:
     return True
 
 
+def warm_up(params: RolloutParams, ray_here: bool) -> None:
+    """While the Prefect server starts (another process, another core): what
+    the run would do next anyway, at the same cost. The tiny model's first
+    build, and the engine backend's imports (torch, transformers) that
+    `create_engines` makes in this process."""
+    if params.model is None:
+        from engines.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model()
+    if ray_here:  # the backend depends on the cluster's GPUs
+        from engines.vllm_engine import backend_class, resolve_backend
+
+        try:
+            backend_class(resolve_backend(params.backend))
+        except Exception:  # noqa: BLE001 - the run meets the same error and reports it
+            pass
+
+
 def startup_line(
     params: RolloutParams,
     server: lifetime.LocalPrefect | None,
@@ -237,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         from flows.rollout import rollout  # imports Prefect: after the checks, which are instant
 
         if server is not None:
+            warm_up(params, ray_here)
             server.wait_ready(float(os.environ[PREFECT_STARTUP_TIMEOUT]))
         print(startup_line(params, server, time.monotonic() - began, ray_here, ray_s), flush=True)
         signals.check()

@@ -38,11 +38,12 @@ def test_cli_demo_teaches_and_says_where_everything_is(tiny_model, tmp_path):
     assert len(re.findall(r"^iteration \d+: mean reward", done.stdout, re.M)) == iterations
     match = re.search(r"(\d+) rollouts written to (\S+)", done.stdout)
     assert match, done.stdout[-2000:]
-    assert int(match.group(1)) == NUM_PROMPTS * iterations
+    samples = DEMO_PRESET["n"]
+    assert int(match.group(1)) == NUM_PROMPTS * samples * iterations
     run_dir = elsewhere / match.group(2)
     assert run_dir.is_relative_to(elsewhere / "out")
     rows = rows_by_prompt(read_rows(run_dir / "iter-000"))
-    assert sorted(rows) == [(p, 0) for p in range(NUM_PROMPTS)]
+    assert sorted(rows) == [(p, s) for p in range(NUM_PROMPTS) for s in range(samples)]
     assert "Prefect API: local server at http://127.0.0.1:" in done.stdout
     assert f"PREFECT_HOME={env['PREFECT_HOME']}" in done.stdout
     assert f"/runs/flow-run/{run_dir.name}" in done.stdout
