@@ -122,12 +122,16 @@ def quiet_ray_signal_handlers() -> None:
     del os.environ[RAY_DISABLE_FAILURE_SIGNAL_HANDLER]
 
 
+#: Resolved here, in the parent: a child forked from a threaded process (Ray's
+#: driver is) must not load libraries before exec.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _die_with_parent(parent: int) -> None:
     """preexec_fn of a child: SIGKILL when the parent dies, and no SIGINT
     (Ctrl-C reaches the whole process group; the CLI stops the run first and
     then its children)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         os._exit(127)
     if os.getppid() != parent:  # the parent died before prctl
         os._exit(0)
