@@ -40,9 +40,11 @@ def start_cli(args: list[str], env: dict[str, str], log_path: Path) -> subproces
         )
 
 
-def wait_for_a_shard(cli: subprocess.Popen, output_dir: Path, log_path: Path) -> None:
+def wait_for_a_shard(
+    cli: subprocess.Popen, output_dir: Path, log_path: Path, timeout_s: float = 450
+) -> None:
     """Mid-generation: the first shard is on disk and the CLI still runs."""
-    wait_until(lambda: written_shards(output_dir) or cli.poll() is not None, 300, "a shard")
+    wait_until(lambda: written_shards(output_dir) or cli.poll() is not None, timeout_s, "a shard")
     assert cli.poll() is None, log_path.read_text()[-3000:]
 
 

@@ -18,6 +18,12 @@ from tasks.shards import read_rows
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="session")
+def prefect_api_url() -> None:
+    """Not the flow tests' Prefect harness: the CLI starts a Prefect server of its own."""
+    return None
+
+
 def test_cli_demo_teaches_and_says_where_everything_is(tiny_model, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")

@@ -22,6 +22,12 @@ pytestmark = pytest.mark.slow
 EXPECTED = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -signal.SIGKILL}
 
 
+@pytest.fixture(scope="session")
+def prefect_api_url() -> None:
+    """Not the flow tests' Prefect harness: the CLI starts a Prefect server of its own."""
+    return None
+
+
 @pytest.fixture(scope="module")
 def prefect_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("prefect-home")
@@ -66,7 +72,8 @@ def command_line(pid: int) -> str:
 def test_a_stopped_cli_leaves_no_process(signum, tiny_model, tmp_path, prefect_home):
     out = tmp_path / "out"
     log_path = tmp_path / "cli.log"
-    params = long_run(tiny_model, out, num_engines=1, local_num_cpus=2)
+    # Deadlines for a loaded 2-core CI box: other tests run beside this one.
+    params = long_run(tiny_model, out, num_engines=1, local_num_cpus=2, ready_timeout_s=400)
     cli = start_cli(cli_args(params), cli_env(PREFECT_HOME=str(prefect_home)), log_path)
     try:
         wait_for_a_shard(cli, out, log_path)
