@@ -179,6 +179,7 @@ def start_local_ray(params: RolloutParams) -> bool:
         include_dashboard=False,
         namespace="rolloutflow-cli",
     )
+    lifetime.reap_on_death(lifetime.descendants(os.getpid()))
     return True
 
 

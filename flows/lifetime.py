@@ -197,3 +197,56 @@ class LocalPrefect:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+#: The reaper: waits for its stdin to close (the CLI died, however it died)
+#: and SIGKILLs the processes it was given, each "pid:start time" so that a
+#: reused pid is left alone.
+_REAPER = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+sys.stdin.buffer.read()
+for entry in sys.argv[1:]:
+    pid, start = entry.split(":")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[19] == start:
+                os.kill(int(pid), signal.SIGKILL)
+    except (OSError, IndexError):
+        pass
+"""
+
+
+def descendants(root: int) -> list[int]:
+    """The processes under `root` now, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def reap_on_death(pids: list[int]) -> subprocess.Popen | None:
+    """Kill `pids` when this process dies, even by SIGKILL. For Ray's local
+    agents (dashboard, runtime env): the raylet dies with its driver, but its
+    agents first try to report that to the GCS, dead too, for up to 60 s."""
+    entries = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                entries.append(f"{pid}:{f.read().rsplit(')', 1)[1].split()[19]}")
+        except (OSError, IndexError):
+            continue
+    if not entries:
+        return None
+    return subprocess.Popen([sys.executable, "-S", "-c", _REAPER, *entries], stdin=subprocess.PIPE)

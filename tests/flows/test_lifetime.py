@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from rollout_support import REPO, wait_until
 
 from flows.lifetime import Stopped, StopSignals
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url() -> None:
+    """Not the flow tests' Prefect harness: nothing here uses Prefect."""
+    return None
 
 
 @pytest.fixture
@@ -68,3 +78,34 @@ def test_the_run_result_and_errors_come_back(signals):
     assert signals.run(lambda: 42) == 42
     with pytest.raises(ValueError, match="bad"):
         signals.run(lambda: (_ for _ in ()).throw(ValueError("bad")))
+
+
+def test_the_reaper_kills_what_it_was_given_when_its_parent_is_killed(tmp_path):
+    """A parent registers a child with the reaper, then dies by SIGKILL: the
+    child goes too (as Ray's agents do when the CLI is killed)."""
+    code = (
+        "import os, subprocess, sys, time\n"
+        "from flows import lifetime\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "lifetime.reap_on_death(lifetime.descendants(os.getpid()))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        assert alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_until(lambda: not alive(child), 10, "the reaper to kill the child")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
