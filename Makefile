@@ -22,7 +22,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 run: venv
-	$(BIN)/python -m flows.cli $(ARGS)
+	$(BIN)/rolloutflow $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

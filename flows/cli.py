@@ -1,48 +1,95 @@
 """Run the rollout flow from the command line.
 
-    python -m flows.cli                                  # the embedded demo
-    python -m flows.cli --config run.yaml --num-engines 4
-    python -m flows.cli --help                           # every parameter
+    rolloutflow                                  # the demo: a few on-policy iterations
+    rolloutflow --plain                          # a plain rollout job (RolloutParams' defaults)
+    rolloutflow --config run.yaml --num-engines 4
+    rolloutflow --help                           # every parameter
 
-Parameters come from a config file (YAML or JSON, the fields of
-`RolloutParams`) and/or flags (one per field; flags win). They are checked
-before anything starts. Without PREFECT_API_URL the run uses an ephemeral
-local Prefect whose state lives in `.prefect-home/` of the repository.
+Parameters come from the demo preset (unless --plain), then a config file
+(YAML or JSON, the fields of `RolloutParams`), then flags (one per field; the
+later wins). They are checked before anything starts. Without PREFECT_API_URL
+the run uses a local Prefect server that the CLI starts and that ends with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 import typing
 from pathlib import Path
 from typing import Any
 
-from flows.settings import set_local_prefect_defaults
+from flows.settings import PACKAGED_PROMPTS, prefect_ui_hint, set_local_prefect_defaults
 
 set_local_prefect_defaults()  # before Prefect is imported (flows.rollout below)
 
 import yaml  # noqa: E402 - after the environment defaults above
 from pydantic import ValidationError  # noqa: E402
 
+from engines.env import (  # noqa: E402
+    PREFECT_API_URL,
+    PREFECT_HOME,
+    PREFECT_STARTUP_TIMEOUT,
+    RAY_ADDRESS,
+)
+from flows import lifetime  # noqa: E402
 from flows.params import RolloutParams  # noqa: E402
+
+#: What `rolloutflow` runs unless told otherwise: the on-policy loop for a
+#: few iterations, so the first run shows a policy learning (the README's toy
+#: task: mean reward from about 0.1 to 0.9). One engine: on a small machine
+#: each engine's start-up costs seconds. Applied under the user's config and
+#: flags; `--plain` drops it.
+DEMO_PRESET: dict[str, Any] = {
+    "reward": "training.rewards:target_chars_fraction",
+    "iterations": 4,
+    "learning_rate": 0.03,
+    "n": 8,
+    "max_tokens": 16,
+    "num_engines": 1,
+}
+
+STOPPED_EXIT = {"SIGTERM": 143, "SIGINT": 130}  # 128 + the signal, as a shell reports it
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def show(value: Any) -> str:
+    return "none" if value is None or value == {} else str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flows.cli",
-        description="Generate rollouts with engines on Ray, orchestrated by Prefect.",
+        prog="rolloutflow",
+        description="Generate rollouts with engines on Ray, orchestrated by Prefect. "
+        "With no parameters: the demo, "
+        + ", ".join(f"{flag(k)} {v}" for k, v in DEMO_PRESET.items())
+        + " (the on-policy loop on the tiny model).",
     )
     parser.add_argument("--config", type=Path, help="YAML or JSON file of parameters")
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="Without the demo preset: a plain rollout job on RolloutParams' defaults "
+        "(no reward, one iteration), as a deployment runs it.",
+    )
     for name, field in RolloutParams.model_fields.items():
+        shown = show(field.get_default(call_default_factory=True))
+        if name in DEMO_PRESET:
+            shown = f"{show(DEMO_PRESET[name])}; with --plain {shown}"
+        text = f"{field.description or field.title or ''} (default: {shown})"
+        if field.annotation is bool:
+            parser.add_argument(
+                flag(name), dest=name, action=argparse.BooleanOptionalAction, help=text
+            )
+            continue
         # Values stay strings here: the model parses and checks them, so the
         # flags and the config file get the same messages.
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            metavar=name.upper(),
-            help=f"{field.description or field.title or ''} (default: {field.default!r})",
-        )
+        parser.add_argument(flag(name), dest=name, metavar=name.upper(), help=text)
     return parser
 
 
@@ -58,10 +105,12 @@ def load_config(path: Path) -> dict[str, Any]:
     return values
 
 
-def flag_value(name: str, raw: str) -> Any:
-    """A flag's string, as the model expects it: mappings (engine_kwargs) are
-    JSON/YAML; lists (stop) a JSON list, or one value; everything else stays a
-    string for the model to parse."""
+def flag_value(name: str, raw: Any) -> Any:
+    """A flag's value, as the model expects it: mappings (engine_kwargs) are
+    JSON/YAML; lists (stop) a JSON list, or one value; switches are booleans;
+    the rest stays a string for the model to parse."""
+    if not isinstance(raw, str):
+        return raw
     if raw.lower() in ("", "none", "null"):
         return None
     origin = typing.get_origin(RolloutParams.model_fields[name].annotation)
@@ -71,31 +120,117 @@ def flag_value(name: str, raw: str) -> Any:
         try:
             return yaml.safe_load(raw)
         except yaml.YAMLError as exc:
-            raise SystemExit(f"error: --{name.replace('_', '-')} is not JSON: {exc}") from exc
+            raise SystemExit(f"error: {flag(name)} is not JSON: {exc}") from exc
     return raw
+
+
+def describe_errors(exc: ValidationError, flags: set[str], config: Path | None) -> str:
+    """One line per error, naming what the user typed: the flag, or the
+    config file's key."""
+    lines = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else None
+        if field is None:
+            where = "parameters"
+        elif field in flags or config is None:
+            where = flag(field)
+        else:
+            where = f"{field} in {config}"
+        value = f" {error['input']!r}" if field and "input" in error else ""
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}{value}: {message}")
+    return "error: invalid parameters\n" + "\n".join(lines)
 
 
 def parse_params(argv: list[str] | None = None) -> RolloutParams:
     args = build_parser().parse_args(argv)
-    values = load_config(args.config) if args.config else {}
-    flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    values: dict[str, Any] = {} if args.plain else dict(DEMO_PRESET)
+    if args.config:
+        values.update(load_config(args.config))
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "plain") and v is not None}
     values.update({k: flag_value(k, v) for k, v in flags.items()})
+    if "prompts_path" not in values and not Path(values_default("prompts_path")).exists():
+        # The installed command, away from a checkout: the packaged demo prompts.
+        values["prompts_path"] = str(PACKAGED_PROMPTS)
     try:
         return RolloutParams.model_validate(values)
     except ValidationError as exc:
-        raise SystemExit(f"error: invalid parameters\n{exc}") from exc
+        raise SystemExit(describe_errors(exc, set(flags), args.config)) from exc
 
 
-def main(argv: list[str] | None = None) -> int:
-    params = parse_params(argv)
-    from flows.rollout import rollout  # imports Prefect: after the checks, which are instant
-    from tasks.report import terminal_curves
+def values_default(name: str) -> Any:
+    return RolloutParams.model_fields[name].get_default(call_default_factory=True)
 
-    try:
-        summary = rollout(params)
-    except Exception as exc:  # noqa: BLE001 - the run's log above holds the traceback
-        print(f"\nerror: the rollout run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+
+def local_ray_cpus(params: RolloutParams) -> int:
+    """Logical CPUs of a local Ray: what provision_cluster would pick."""
+    needed = params.num_engines * params.tensor_parallel_size + int(
+        bool(params.reward) and params.train
+    )
+    return params.local_num_cpus or max(os.cpu_count() or 1, needed)
+
+
+def start_local_ray(params: RolloutParams) -> bool:
+    """Start the run's local Ray here, in the CLI, so the CLI owns its signal
+    handling and its end; the flow then connects to it. False: the run uses a
+    cluster of its own (an address)."""
+    if params.address or os.environ.get(RAY_ADDRESS):
+        return False
+    lifetime.quiet_ray_signal_handlers()
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=local_ray_cpus(params),
+        include_dashboard=False,
+        namespace="rolloutflow-cli",
+    )
+    lifetime.reap_on_death(lifetime.descendants(os.getpid()))
+    return True
+
+
+def warm_up(params: RolloutParams, ray_here: bool) -> None:
+    """While the Prefect server starts (another process, another core): what
+    the run would do next anyway, at the same cost. The tiny model's first
+    build, and the engine backend's imports (torch, transformers) that
+    `create_engines` makes in this process."""
+    if params.model is None:
+        from engines.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model()
+    if ray_here:  # the backend depends on the cluster's GPUs
+        from engines.vllm_engine import backend_class, resolve_backend
+
+        try:
+            backend_class(resolve_backend(params.backend))
+        except Exception:  # noqa: BLE001 - the run meets the same error and reports it
+            pass
+
+
+def startup_line(
+    params: RolloutParams,
+    server: lifetime.LocalPrefect | None,
+    ready_s: float,
+    ray_here: bool,
+    ray_s: float,
+) -> str:
+    """Where the run's Prefect and Ray are (and, for the benchmark, when they came up)."""
+    prefect = (
+        f"local server at {server.api_url} (loopback only; ends with this command)"
+        if server is not None
+        else os.environ[PREFECT_API_URL]
+    )
+    cluster = (
+        f"local, started here in {ray_s:.1f} s (no dashboard)"
+        if ray_here
+        else f"the cluster at {params.address or os.environ.get(RAY_ADDRESS)} "
+        "(its dashboard: port 8265 of its head unless set otherwise)"
+    )
+    return f"Prefect API: {prefect}, ready after {ready_s:.1f} s\nRay: {cluster}"
+
+
+def print_results(summary) -> None:
+    """What the user sees at the end of a run (kept in one place)."""
     for step in summary.training:
         print(
             f"iteration {step['iteration']}: mean reward {step['mean_reward']:.3f}; "
@@ -104,8 +239,61 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"\n{summary.rows} rollouts written to {summary.output_dir}")
     if summary.curves:
+        from tasks.report import terminal_curves
+
         print("\n" + "\n".join(terminal_curves(summary.metrics)))
         print(f"curves: {summary.curves}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    params = parse_params(argv)
+    began = time.monotonic()
+    signals = lifetime.StopSignals()
+    signals.install()
+    server: lifetime.LocalPrefect | None = None
+    ray_here = False
+    in_run = False
+    try:
+        # Ray first: a raylet that waits past Ray's fixed start-up deadline
+        # (its agents starved of CPU) fails the run; the Prefect server then
+        # comes up while Prefect is imported here.
+        ray_here = start_local_ray(params)
+        ray_s = time.monotonic() - began
+        signals.install()  # ray.init took SIGTERM
+        signals.check()
+        if not os.environ.get(PREFECT_API_URL):
+            server = lifetime.LocalPrefect()
+            os.environ[PREFECT_API_URL] = server.api_url
+        from flows.rollout import rollout  # imports Prefect: after the checks, which are instant
+
+        if server is not None:
+            warm_up(params, ray_here)
+            server.wait_ready(float(os.environ[PREFECT_STARTUP_TIMEOUT]))
+        print(startup_line(params, server, time.monotonic() - began, ray_here, ray_s), flush=True)
+        signals.check()
+        in_run = True
+        summary = signals.run(lambda: rollout(params))
+    except lifetime.Stopped as exc:
+        stopped_by = exc.signal_name
+    except Exception as exc:  # noqa: BLE001 - the run's log above holds the traceback
+        print(f"\nerror: the rollout run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    else:
+        stopped_by = None
+    finally:
+        if ray_here:
+            import ray
+
+            ray.shutdown()
+        if server is not None:
+            server.stop()
+    if stopped_by:
+        what = ["the run (Crashed, its engines torn down)" if in_run else "the start-up"]
+        what += ["the local Ray"] * ray_here + ["the local Prefect server"] * (server is not None)
+        print(f"\n{stopped_by}: stopped {', '.join(what)}", file=sys.stderr)
+        return STOPPED_EXIT[stopped_by]
+    print_results(summary)
+    print(prefect_ui_hint(os.environ[PREFECT_HOME], summary.run_id, local=server is not None))
     return 0
 
 

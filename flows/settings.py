@@ -14,11 +14,35 @@ from engines.env import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The demo prompts, packaged with `flows` (a link to data/prompts.jsonl in a
+#: checkout; a copy in a wheel), so the installed command runs anywhere.
+PACKAGED_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
+
+
+def local_prefect_home() -> Path:
+    """The checkout's `.prefect-home` (runs of a checkout share one history);
+    for an installed package, one under the user's cache."""
+    if (REPO_ROOT / "pyproject.toml").is_file():
+        return REPO_ROOT / ".prefect-home"
+    return Path.home() / ".cache" / "rolloutflow" / "prefect-home"
 
 
 def set_local_prefect_defaults() -> None:
-    """Defaults for a local run (ephemeral Prefect); set before Prefect is imported."""
+    """Defaults for a local run (a local Prefect server); set before Prefect is imported."""
     if not os.environ.get(PREFECT_API_URL):
-        os.environ.setdefault(PREFECT_HOME, str(REPO_ROOT / ".prefect-home"))
+        os.environ.setdefault(PREFECT_HOME, str(local_prefect_home()))
     os.environ.setdefault(PREFECT_SERVER_ANALYTICS_ENABLED, "false")
     os.environ.setdefault(PREFECT_STARTUP_TIMEOUT, "120")
+
+
+def prefect_ui_hint(prefect_home: str, run_id: str, local: bool, port: int = 4200) -> str:
+    """How to open the run in the Prefect UI. The CLI's local server ended
+    with it: a server started on the same database shows the run."""
+    if not local:
+        ui = os.environ.get("PREFECT_UI_URL") or os.environ[PREFECT_API_URL].removesuffix("/api")
+        return f"the run in the Prefect UI: {ui}/runs/flow-run/{run_id}"
+    return (
+        f"to see the run in the Prefect UI: PREFECT_HOME={prefect_home} "
+        f"PREFECT_UI_API_URL=http://127.0.0.1:{port}/api prefect server start --port {port}\n"
+        f"  then open http://127.0.0.1:{port}/runs/flow-run/{run_id}"
+    )

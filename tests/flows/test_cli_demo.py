@@ -1,5 +1,6 @@
-"""The README's main command on the embedded default: local Ray started by
-the run, ephemeral Prefect, the tiny model, the shipped prompts file."""
+"""The README's main command: the demo preset (a few on-policy iterations)
+with the CLI's own local Ray and Prefect server, the tiny model, the
+packaged prompts file, run from another directory than the checkout."""
 
 from __future__ import annotations
 
@@ -7,45 +8,51 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from rollout_support import NUM_PROMPTS, REPO, rows_by_prompt
 
+from flows.cli import DEMO_PRESET
 from tasks.shards import read_rows
 
 pytestmark = pytest.mark.slow
 
 
-def test_cli_demo_prints_where_the_output_went(tiny_model, tmp_path):
+@pytest.fixture(scope="session")
+def prefect_api_url() -> None:
+    """Not the flow tests' Prefect harness: the CLI starts a Prefect server of its own."""
+    return None
+
+
+def test_cli_demo_teaches_and_says_where_everything_is(tiny_model, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PYTHONPATH"] = str(REPO)  # the checkout's code, from another directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--num-engines",
-            "1",
-            "--model",
-            tiny_model,
-            "--max-tokens",
-            "8",
-        ],
-        cwd=REPO,
+        [sys.executable, "-m", "flows.cli", "--num-engines", "1", "--model", tiny_model,
+         "--max-tokens", "8"],
+        cwd=elsewhere,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
-    )
+        timeout=400,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    iterations = DEMO_PRESET["iterations"]
+    assert len(re.findall(r"^iteration \d+: mean reward", done.stdout, re.M)) == iterations
     match = re.search(r"(\d+) rollouts written to (\S+)", done.stdout)
     assert match, done.stdout[-2000:]
-    assert int(match.group(1)) == NUM_PROMPTS
-    rows = rows_by_prompt(read_rows(Path(match.group(2)) / "iter-000"))
-    assert sorted(rows) == [(p, 0) for p in range(NUM_PROMPTS)]
+    samples = DEMO_PRESET["n"]
+    assert int(match.group(1)) == NUM_PROMPTS * samples * iterations
+    run_dir = elsewhere / match.group(2)
+    assert run_dir.is_relative_to(elsewhere / "out")
+    rows = rows_by_prompt(read_rows(run_dir / "iter-000"))
+    assert sorted(rows) == [(p, s) for p in range(NUM_PROMPTS) for s in range(samples)]
+    assert "Prefect API: local server at http://127.0.0.1:" in done.stdout
+    assert f"PREFECT_HOME={env['PREFECT_HOME']}" in done.stdout
+    assert f"/runs/flow-run/{run_dir.name}" in done.stdout
 
 
 def test_cli_rejects_bad_flags_before_starting_anything(tmp_path):
@@ -57,5 +64,5 @@ def test_cli_rejects_bad_flags_before_starting_anything(tmp_path):
         timeout=60,
     )
     assert done.returncode != 0
-    assert "num_engines" in done.stderr and "greater than or equal to 1" in done.stderr
+    assert "--num-engines '0': Input should be greater than or equal to 1" in done.stderr
     assert not any(tmp_path.iterdir())

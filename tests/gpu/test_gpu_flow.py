@@ -23,6 +23,7 @@ def run_flow_cli(ray, model: str, tmp_path, *args: str, timeout_s: float) -> str
     and its own Prefect home; returns stdout (asserts a clean exit)."""
     cmd = [
         sys.executable, "-m", "flows.cli",
+        "--plain",  # RolloutParams' defaults under the flags, not the CLI's demo preset
         "--backend", "vllm",
         "--model", model,
         "--max-len", "2048",

@@ -52,7 +52,7 @@ def test_letter_task_through_vllm_with_chat_template_and_stops(
         "--prompt-field", "messages",
         "--label-field", "answer",
         "--id-field", "uid",
-        "--apply-chat-template", "true",
+        "--apply-chat-template",
         "--stop", json.dumps(STOPS),
         "--num-engines", "1",
         "--reward", "training.letter_task:reward",
@@ -60,7 +60,7 @@ def test_letter_task_through_vllm_with_chat_template_and_stops(
         "--n", "4",
         "--max-tokens", "48",
         "--iterations", str(iterations),
-        "--train", str(on_policy).lower(),
+        "--train" if on_policy else "--no-train",
         "--output-format", "parquet",
         timeout_s=540,
     )  # fmt: skip

@@ -69,8 +69,8 @@ def test_cli_reads_yaml(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--num-engines", "zero"], "num_engines"),
-        (["--temperature", "-1"], "temperature"),
+        (["--num-engines", "zero"], "--num-engines 'zero'"),
+        (["--temperature", "-1"], "--temperature '-1'"),
     ],
 )
 def test_cli_rejects_bad_flags_naming_the_field(argv, message):
@@ -139,7 +139,7 @@ def test_every_sampling_field_has_a_flag():
 def test_task_fields_from_flags():
     params = parse_params(
         ["--label-field", "reward_model.ground_truth", "--id-field", "uid"]
-        + ["--apply-chat-template", "true", "--reward-style", "verl"]
+        + ["--apply-chat-template", "--reward-style", "verl"]
     )
     assert params.label_field == "reward_model.ground_truth"
     assert (params.id_field, params.apply_chat_template, params.reward_style) == (
@@ -147,5 +147,5 @@ def test_task_fields_from_flags():
         True,
         "verl",
     )
-    with pytest.raises(SystemExit, match="reward_style"):
+    with pytest.raises(SystemExit, match="--reward-style"):
         parse_params(["--reward-style", "trl"])

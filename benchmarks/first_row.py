@@ -1,0 +1,110 @@
+"""Time from the command to the first row on disk, and to the end, of the
+CLI's default run (what `make run` starts), with where the time goes. Not a
+test: it reports numbers.
+
+    python benchmarks/first_row.py [--repeats 3] [-- CLI ARGS...]
+
+Each repeat runs `python -m flows.cli` as a user would (its own local Ray and
+Prefect server; a Prefect home of its own, kept across repeats as a checkout's
+`.prefect-home` is). The breakdown comes from the CLI's start-up line and the
+run's log timestamps: Ray up, Prefect server up, the flow's first log line,
+engines ready, first row on disk, end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: (phase, pattern of the log line that ends it)
+MARKS = [
+    ("flow started", re.compile(r"Beginning flow run")),
+    ("engines ready", re.compile(r"engines ready")),
+]
+LOG_TIME = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \|")
+
+
+def first_row(out: Path) -> bool:
+    return any(p.stat().st_size > 0 for p in out.glob("*/iter-000/shard-*.jsonl"))
+
+
+def clock(line: str, day: datetime) -> float | None:
+    match = LOG_TIME.match(line)
+    if not match:
+        return None
+    t = datetime.strptime(match.group(1), "%H:%M:%S.%f").time()
+    return datetime.combine(day.date(), t).timestamp()
+
+
+def one_run(cli_args: list[str], prefect_home: Path) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(prefix="first-row-out-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
+    env |= {"PREFECT_HOME": str(prefect_home), "RAY_AUTH_MODE": "disabled"}
+    log_path = out / "cli.log"
+    wall0, t0 = time.time(), time.monotonic()
+    with log_path.open("w") as log:
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "--output-dir", str(out / "runs"), *cli_args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        row_s = None
+        while cli.poll() is None:
+            if row_s is None and first_row(out / "runs"):
+                row_s = time.monotonic() - t0
+            time.sleep(0.02)
+    end_s = time.monotonic() - t0
+    text = log_path.read_text()
+    if cli.returncode != 0:
+        raise SystemExit(f"the CLI failed ({cli.returncode}):\n{text[-3000:]}")
+    figures = {"first row": row_s or end_s, "end": end_s}
+    if m := re.search(r"started here in ([\d.]+) s", text):
+        figures["ray up"] = float(m.group(1))
+    if m := re.search(r"ready after ([\d.]+) s", text):
+        figures["prefect up"] = float(m.group(1))
+    day = datetime.fromtimestamp(wall0)
+    for name, pattern in MARKS:
+        for line in text.splitlines():
+            if pattern.search(line) and (at := clock(line, day)) is not None:
+                figures[name] = at - wall0
+                break
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("cli_args", nargs="*", help="after --: arguments of the CLI")
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="first-row-prefect-"))
+    runs = []
+    for i in range(args.repeats):
+        runs.append(one_run(args.cli_args, home))
+        print(f"run {i}: " + ", ".join(f"{k} {v:.1f} s" for k, v in runs[-1].items()), flush=True)
+    load = os.getloadavg()
+    print(f"\n{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print(f"CLI args: {' '.join(args.cli_args) or '(none: the demo)'}")
+    print(f"{'seconds from the command':<26} {'median':>7} {'min':>7} {'max':>7}")
+    order = ["ray up", "prefect up", "flow started", "engines ready", "first row", "end"]
+    for name in order:
+        values = [r[name] for r in runs if name in r]
+        if values:
+            print(
+                f"{name:<26} {statistics.median(values):7.1f} {min(values):7.1f} {max(values):7.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""StopSignals without Ray or Prefect: a signal to the process stops the
+function running in the run thread, whatever it is doing in Python, and the
+caller learns which signal it was."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rollout_support import REPO, wait_until
+
+from flows.lifetime import Stopped, StopSignals
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url() -> None:
+    """Not the flow tests' Prefect harness: nothing here uses Prefect."""
+    return None
+
+
+@pytest.fixture
+def signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopSignals()
+    stop.install()
+    yield stop
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_run_thread(signals, signum):
+    cleaned = threading.Event()
+
+    def run():
+        threading.Timer(0.2, os.kill, (os.getpid(), signum)).start()
+        try:
+            while True:
+                time.sleep(0.01)
+        finally:
+            cleaned.set()  # the run's own cleanup still runs
+
+    with pytest.raises(Stopped) as info:
+        signals.run(run)
+    assert info.value.signal_name == signal.Signals(signum).name
+    assert cleaned.is_set()
+
+
+def test_a_second_signal_does_not_cut_the_cleanup_short(signals):
+    def run():
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            while True:
+                time.sleep(0.01)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the second signal arrives during the cleanup
+            return "cleaned"  # noqa: B012 - what the test looks for
+
+    assert signals.run(run) == "cleaned"
+    assert signals.received == "SIGTERM"
+
+
+def test_a_signal_before_the_run_stops_it_at_the_next_check(signals):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    with pytest.raises(Stopped):
+        signals.check()
+
+
+def test_the_run_result_and_errors_come_back(signals):
+    assert signals.run(lambda: 42) == 42
+    with pytest.raises(ValueError, match="bad"):
+        signals.run(lambda: (_ for _ in ()).throw(ValueError("bad")))
+
+
+def test_the_reaper_kills_what_it_was_given_when_its_parent_is_killed(tmp_path):
+    """A parent registers a child with the reaper, then dies by SIGKILL: the
+    child goes too (as Ray's agents do when the CLI is killed)."""
+    code = (
+        "import os, subprocess, sys, time\n"
+        "from flows import lifetime\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "lifetime.reap_on_death(lifetime.descendants(os.getpid()))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        assert alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_until(lambda: not alive(child), 10, "the reaper to kill the child")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
