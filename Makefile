@@ -16,7 +16,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: an open-ended torch requirement would otherwise pull a CUDA build.
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,openrlhf-test]'
+	# OpenRLHF's own code for the drop-in test, without its GPU requirements.
+	$(BIN)/pip install -q --no-deps openrlhf==0.11.2
 	touch $@
 
 venv: $(BIN)/.installed

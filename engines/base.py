@@ -9,6 +9,7 @@ hooks default to no-ops; `health()` raises when the engine cannot serve.
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Any
 
 from engines.admission import Admission
@@ -18,6 +19,8 @@ from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.weight_api import with_weight_methods
 from engines.weight_sync.session import WeightSync
+
+logger = logging.getLogger(__name__)
 
 # What sleep releases and `wake_up(tags)` restores (vLLM's tag names).
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
@@ -35,6 +38,24 @@ def wake_tags(tags: list[str] | None) -> set[str]:
     if unknown:
         raise RequestError(f"unknown wake_up tags {sorted(unknown)}; use {sorted(SLEEP_TAGS)}")
     return chosen
+
+
+def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows: int) -> None:
+    """At start-up: a trainer that added tokens (and resized its embeddings to
+    its tokenizer) sends embed_tokens/lm_head with more rows than the engine
+    holds. Warned by each engine; Ray folds the same line from many actors."""
+    if tokenizer_size != model_vocab:
+        logger.warning(
+            "engine %s: the tokenizer has %d tokens, the model's vocab_size is %d and the "
+            "engine holds %d embedding rows: token ids >= %d cannot be served, and a sync of "
+            "embeddings resized to the tokenizer will be refused; save the model with "
+            "vocab_size matching the trainer's embeddings",
+            engine,
+            tokenizer_size,
+            model_vocab,
+            rows,
+            model_vocab,
+        )
 
 
 def normalize_prompts(prompts: Any) -> tuple[list[list[int]], bool]:

@@ -7,6 +7,7 @@ raised by the engine's own code is re-raised as itself (e.g. PromptTooLongError)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,34 @@ def get(ref: Any, timeout_s: float | None = None, label: str = "engine") -> Any:
         raise translate_error(exc, label) from exc
 
 
+def collect(
+    refs: list[Any],
+    labels: list[str],
+    what: str,
+    timeout_s: float,
+    *,
+    late_error: Callable[[str], BaseException] | None = None,
+) -> list[EngineCallResult]:
+    """Wait for every ref under one deadline: one result per ref, in order,
+    holding its value or our error (`translate_error`). A ref still running
+    at the deadline is cancelled and gets `late_error(message)` (default:
+    EngineTimeoutError naming its label)."""
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+    results = []
+    for i, (ref, label) in enumerate(zip(refs, labels, strict=True)):
+        if ref not in ready:
+            ray.cancel(ref, force=False)
+            message = f"{label}: {what} took longer than {timeout_s:g}s"
+            late = late_error(message) if late_error else EngineTimeoutError(message, label)
+            results.append(EngineCallResult(i, error=late))
+            continue
+        try:
+            results.append(EngineCallResult(i, value=ray.get(ref, timeout=0)))
+        except Exception as exc:  # noqa: BLE001 - kept per ref
+            results.append(EngineCallResult(i, error=translate_error(exc, label)))
+    return results
+
+
 def call_engines(
     engines: list[Any],
     method: str,
@@ -67,21 +96,8 @@ def call_engines(
     all within one shared deadline."""
     timeout = env.rpc_timeout_s() if timeout_s is None else timeout_s
     refs = [getattr(engine, method).remote(*args, **kwargs) for engine in engines]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    ready_set = set(ready)
-    results = []
-    for i, ref in enumerate(refs):
-        label = engine_label(engines, i)
-        if ref not in ready_set:
-            ray.cancel(ref, force=False)
-            err = EngineTimeoutError(f"{label}: {method} took longer than {timeout}s", label)
-            results.append(EngineCallResult(i, error=err))
-            continue
-        try:
-            results.append(EngineCallResult(i, value=ray.get(ref, timeout=0)))
-        except Exception as exc:  # noqa: BLE001 - kept per engine
-            results.append(EngineCallResult(i, error=translate_error(exc, label)))
-    return results
+    labels = [engine_label(engines, i) for i in range(len(engines))]
+    return collect(refs, labels, method, timeout)
 
 
 def raise_first_error(results: list[EngineCallResult]) -> list[Any]:

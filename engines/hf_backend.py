@@ -29,6 +29,7 @@ from engines.base import (
     RolloutEngine,
     check_sleep_level,
     wake_tags,
+    warn_vocab_mismatch,
 )
 from engines.config import EngineConfig
 from engines.errors import (
@@ -36,7 +37,7 @@ from engines.errors import (
     EngineTimeoutError,
     RequestError,
 )
-from engines.hf_sampling import logprob_entry, processed_logits, sample_token
+from engines.hf_sampling import find_stop, logprob_entry, processed_logits, sample_token
 from engines.outputs import CompletionOutput, LogprobsPosition, RequestOutput
 from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
@@ -75,6 +76,7 @@ class _Sequence:
     cumulative: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    text: str | None = None  # set when a stop string cut it
 
 
 @dataclass
@@ -130,6 +132,12 @@ class HFEngine(RolloutEngine):
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
         self.vocab_size = model.config.vocab_size
+        warn_vocab_mismatch(
+            config.name,
+            len(self.tokenizer),
+            self.vocab_size,
+            model.get_input_embeddings().weight.shape[0],
+        )
         self.eos_ids = self._eos_ids(model)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -287,7 +295,9 @@ class HFEngine(RolloutEngine):
     # --- generation thread ------------------------------------------------------
     def _new_request(self, prompt: list[int], params: SamplingParams, loop) -> _Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        budget = min(params.max_tokens, self.config.max_len - len(prompt))
+        budget = self.config.max_len - len(prompt)
+        if params.max_tokens is not None:  # None: up to max_len, as vLLM
+            budget = min(budget, params.max_tokens)
         sequences = [
             _Sequence(
                 index=k,
@@ -392,7 +402,7 @@ class HFEngine(RolloutEngine):
             next_tokens = [self.pad_id] * len(rows)
             for i, (request, seq) in enumerate(rows):
                 if active[i]:
-                    next_tokens[i] = self._step(request.params, seq, logits[i])
+                    next_tokens[i] = self._step(request, seq, logits[i])
                     active[i] = seq.finish_reason is None
             if not any(active):
                 break
@@ -417,10 +427,13 @@ class HFEngine(RolloutEngine):
             next_position = next_position + 1
         return [self._output(request) for request in batch]
 
-    def _step(self, params: SamplingParams, seq: _Sequence, logits: torch.Tensor) -> int:
+    def _step(self, request: _Request, seq: _Sequence, logits: torch.Tensor) -> int:
+        params = request.params
         too_early = len(seq.token_ids) < params.min_tokens
         banned = self.eos_ids + params.stop_token_ids if too_early else []
-        processed = processed_logits(logits, params, banned=banned)
+        processed = processed_logits(
+            logits, params, banned=banned, prompt=request.prompt, output=seq.token_ids
+        )
         token = sample_token(processed, params, seq.generator)
         logprobs = torch.log_softmax(processed if self.processed_logprobs else logits, dim=-1)
         seq.token_ids.append(token)
@@ -431,9 +444,23 @@ class HFEngine(RolloutEngine):
             seq.finish_reason, seq.stop_reason = "stop", token  # as vLLM reports it
         elif token in self.eos_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
+        elif params.stop and not too_early and self._stop_string(params, seq):
+            seq.finish_reason = "stop"
         elif len(seq.token_ids) >= seq.budget:
             seq.finish_reason = "length"
         return token
+
+    def _stop_string(self, params: SamplingParams, seq: _Sequence) -> bool:
+        """As vLLM: the text ends before the stop string (or after it, with
+        include_stop_str_in_output); the tokens keep the one that completed it."""
+        text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=params.skip_special_tokens)
+        found = find_stop(text, params.stop_strings)
+        if found is None:
+            return False
+        start, stop = found
+        seq.text = text[: start + len(stop) if params.include_stop_str_in_output else start]
+        seq.stop_reason = stop
+        return True
 
     def _prompt_logprobs(self, rows, logits: torch.Tensor) -> None:
         width = logits.shape[1]
@@ -454,7 +481,11 @@ class HFEngine(RolloutEngine):
             CompletionOutput(
                 index=seq.index,
                 token_ids=seq.token_ids,
-                text=self.tokenizer.decode(seq.token_ids, skip_special_tokens=True),
+                text=seq.text
+                if seq.text is not None
+                else self.tokenizer.decode(
+                    seq.token_ids, skip_special_tokens=request.params.skip_special_tokens
+                ),
                 finish_reason=seq.finish_reason,
                 logprobs=seq.logprobs,
                 cumulative_logprob=seq.cumulative,

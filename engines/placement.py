@@ -17,6 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engines.client import collect, raise_first_error
 from engines.errors import EngineSpecError, EngineTimeoutError
 from engines.naming import placement_group_name
 
@@ -86,12 +87,13 @@ def assign_bundles(
 
 
 def wait_ready(pg: PlacementGroup, timeout_s: float, what: str) -> None:
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
+    (result,) = collect([pg.ready()], [f"placement group for {what}"], "scheduling", timeout_s)
+    if isinstance(result.error, EngineTimeoutError):
         raise EngineTimeoutError(
             f"placement group for {what} was not scheduled within {timeout_s:g}s "
             f"(bundles {pg.bundle_specs}); the cluster lacks free resources"
         )
+    raise_first_error([result])
 
 
 def place_engines(

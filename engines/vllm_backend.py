@@ -20,6 +20,7 @@ from typing import Any
 
 try:
     import vllm
+    from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
     from vllm.sampling_params import RequestOutputKind
     from vllm.usage.usage_lib import UsageContext
     from vllm.utils.gc_utils import freeze_gc_heap
@@ -39,6 +40,7 @@ from engines.base import (
     RolloutEngine,
     check_sleep_level,
     wake_tags,
+    warn_vocab_mismatch,
 )
 from engines.config import EngineConfig
 from engines.errors import (
@@ -123,6 +125,8 @@ class VLLMEngine(RolloutEngine):
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        vocab = self.engine.model_config.get_vocab_size()
+        warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, pad_vocab_size(vocab))
         # This actor is the engine's front end, as vLLM's API server process
         # is: like it, keep the start-up heap (vLLM, torch, transformers) out
         # of the GC's oldest-generation scans, whose pauses stall the output

@@ -362,18 +362,25 @@ def destroy_engines(
     return alive
 
 
+# Deadline of `batch_vllm_engine_call`: sleep and wake_up of a 70B model move
+# its weights (140 GB in bf16) between GPU and host memory, and a pause in mode
+# "wait" waits for the longest generation in flight.
+BATCH_CALL_TIMEOUT_S = 600.0
+
+
 def batch_vllm_engine_call(
     engines: list[Any],
     method_name: str,
     *args: Any,
     rank_0_only: bool = True,
-    timeout_s: float | None = None,
+    timeout_s: float = BATCH_CALL_TIMEOUT_S,
     **kwargs: Any,
 ) -> list[Any] | None:
-    """Call `method_name` on every engine and return the results (OpenRLHF's
-    helper). With `rank_0_only`, ranks other than 0 of an initialised
-    torch.distributed group return None without calling. Raises the first
-    engine's error; every call has a deadline."""
+    """OpenRLHF's helper (openrlhf/trainer/ray/vllm_engine.py, v0.11.2): call
+    `method_name` on every engine and return the results in order; with
+    `rank_0_only`, a non-zero rank of an initialised torch.distributed group
+    calls nothing and gets None. Raises the first engine's error; all calls
+    share one deadline, `timeout_s`."""
     torch = sys.modules.get("torch")  # not imported here: flows must not need torch
     if rank_0_only and torch is not None and torch.distributed.is_initialized():
         if torch.distributed.get_rank() != 0:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.client import EngineCallResult, call_engines, engine_label
+from engines.client import EngineCallResult, call_engines, collect, engine_label
 from engines.errors import EngineDeadError, EngineFailure
 from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import SyncConfig
@@ -230,29 +230,8 @@ class Coordinator:
     def collect(self, refs: list[Any], what: str) -> list[Any]:
         """Wait for one call per engine (already launched) within the deadline;
         on any failure abort all and raise."""
-        import ray
-
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout_s)
-        results = []
-        for i, ref in enumerate(refs):
-            label = engine_label(self.engines, i)
-            if ref not in ready:
-                ray.cancel(ref, force=False)
-                results.append(
-                    EngineCallResult(
-                        i,
-                        error=WeightTransferError(
-                            f"{label}: {what} took longer than {self.config.timeout_s:g}s"
-                        ),
-                    )
-                )
-                continue
-            from engines.client import get
-
-            try:
-                results.append(EngineCallResult(i, value=get(ref, 0, label)))
-            except Exception as exc:  # noqa: BLE001 - kept per engine
-                results.append(EngineCallResult(i, error=exc))
+        labels = [engine_label(self.engines, i) for i in range(len(refs))]
+        results = collect(refs, labels, what, self.config.timeout_s, late_error=WeightTransferError)
         if not all(r.ok for r in results):
             error = failure_of(self.engines, results, what)
             self.abort(f"{what} failed: {error}")

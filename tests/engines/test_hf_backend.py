@@ -255,7 +255,7 @@ def test_pause_keep_freezes_a_request_across_a_sync_and_resumes_it(tiny_model, t
         started = time.monotonic()
         await asyncio.wait_for(pausing, 1.0)
         pause_s = time.monotonic() - started
-        assert not request.done() and (await engine.health())["paused"]
+        assert not request.done() and engine._admission.closed
         await engine.load_checkpoint(str(path), version=1)  # begin, load, finish
         assert not request.done(), "the sync's own resume let the request go"
         await engine.resume_generation()
@@ -272,3 +272,70 @@ def test_pause_keep_freezes_a_request_across_a_sync_and_resumes_it(tiny_model, t
     assert got != old
     # A prefix came from the old weights, the rest from the new ones.
     assert any(got == old[:k] + new[k - 1][: 24 - k] for k in range(1, 24))
+
+
+def test_stop_strings_cut_the_text_as_vllm_does(engine):
+    greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    free = run(engine.generate(PROMPT, SamplingParams(**greedy))).outputs[0]
+    stop = engine.tokenizer.decode(free.token_ids[4:6])
+    assert stop.strip() and stop in free.text
+    cut = run(engine.generate(PROMPT, SamplingParams(stop=[stop, "\x00never"], **greedy)))
+    sample = cut.outputs[0]
+    start = free.text.find(stop)
+    assert (sample.finish_reason, sample.stop_reason) == ("stop", stop)
+    assert sample.text == free.text[:start]
+    assert free.token_ids[: len(sample.token_ids)] == sample.token_ids
+    kept = run(
+        engine.generate(
+            PROMPT, SamplingParams(stop=stop, include_stop_str_in_output=True, **greedy)
+        )
+    ).outputs[0]
+    assert kept.text == free.text[: start + len(stop)]
+
+
+def test_penalties_min_p_and_max_tokens_none():
+    from engines.hf_sampling import processed_logits
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 0.0])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = processed_logits(logits, params, banned=[], prompt=[0], output=[1, 1])
+    # token 0 (prompt): 2/2; token 1 (output twice): -1*2 - 0.5*2 - 0.25
+    torch.testing.assert_close(out, torch.tensor([1.0, -3.25, 0.5, 0.0]))
+    only_top = processed_logits(logits, SamplingParams(min_p=0.5), banned=[], prompt=[], output=[])
+    assert torch.isfinite(only_top).tolist() == [True, False, False, False]
+    greedy = processed_logits(
+        logits, SamplingParams(temperature=0.0, min_p=0.5), banned=[2], prompt=[], output=[]
+    )
+    assert greedy.tolist()[:2] == [2.0, -1.0] and greedy[2] == float("-inf")
+
+
+def test_unbounded_max_tokens_and_unknown_fields(engine):
+    out = run(engine.generate(PROMPT, SamplingParams(max_tokens=None, ignore_eos=True)))
+    assert len(out.outputs[0].token_ids) == 64 - len(PROMPT)  # up to max_len
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["x"])
+    params = SamplingParams()
+    params.max_tokens = 3  # mutable, as OpenRLHF's executors need
+    with pytest.raises(ValueError, match="max_tokens"):
+        params.max_tokens = 0  # and still validated
+    with pytest.raises(RequestError, match="max_logprobs=20"):
+        run(engine.generate(PROMPT, SamplingParams(logprobs=21)))
+
+
+def test_tokenizer_and_model_vocab_mismatch_is_warned_at_start_up(tiny_model, tmp_path, caplog):
+    model_dir = tmp_path / "grown-vocab"
+    shutil.copytree(tiny_model, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["vocab_size"] += 64  # as vLLM-style padded checkpoints ship
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.resize_token_embeddings(config["vocab_size"])
+    model.save_pretrained(model_dir)
+    with caplog.at_level("WARNING", logger="engines.base"):
+        grown = make_engine(str(model_dir))
+    run(grown.shutdown())
+    tokenizer_size = len(grown.tokenizer)
+    (message,) = [r.getMessage() for r in caplog.records if "vocab_size" in r.getMessage()]
+    assert f"the tokenizer has {tokenizer_size} tokens" in message
+    assert f"vocab_size is {config['vocab_size']}" in message
+    assert f"holds {config['vocab_size']} embedding rows" in message
