@@ -38,7 +38,10 @@ def logprobs(ray, engine) -> list[list[float]]:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outputs = ray.get(engine.generate.remote(SEQUENCES, params), timeout=TIMEOUT_S)
     return [
-        [step[t] for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)]
+        [
+            step[t].logprob
+            for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
+        ]
         for o in outputs
     ]
 
