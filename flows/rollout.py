@@ -86,6 +86,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         num_engines=params.num_engines,
         tensor_parallel_size=params.tensor_parallel_size,
         with_policy=bool(params.reward),
+        runtime_env=params.runtime_env,
     )
     pool: EnginePool | None = None
     policy = None
