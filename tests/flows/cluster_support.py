@@ -40,7 +40,7 @@ HEAD_ENV = {
 }
 
 
-ATTEMPTS = 4
+ATTEMPTS = 6
 
 
 def free_port() -> int:
