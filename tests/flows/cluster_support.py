@@ -67,7 +67,9 @@ class Node:
 
 
 class ProcessCluster:
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
+        #: With a token, every node runs with Ray's token authentication on.
+        self.token = token
         # Short: Ray's socket paths live under it (the limit is about 107 bytes).
         self.root = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))
         self.python = python_without_rolloutflow(self.root)
@@ -83,6 +85,8 @@ class ProcessCluster:
                 "RAY_USAGE_STATS_ENABLED": "0",
             }
         )
+        if self.token:
+            env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token})
         env.update(extra or {})
         return env
 

@@ -134,7 +134,7 @@ def server(tmp_path_factory, ray_local_module) -> Iterator[Server]:
         start_new_session=True,  # its own process group: stopped as a whole below
     )
     try:
-        wait_until(lambda: healthy(url) or process.poll() is not None, 120, "the Prefect server")
+        wait_until(lambda: healthy(url) or process.poll() is not None, 300, "the Prefect server")
         assert process.poll() is None, (home / "server.log").read_text()[-3000:]
         running = Server(url, env, home)
         running.cli("work-pool", "create", POOL, "--type", "process")

@@ -1,10 +1,16 @@
 """The rollout flow on a real multi-node Ray cluster whose nodes cannot
 import rolloutflow (`cluster_support`): the run ships its code through the
-job's runtime_env, engines run on the worker nodes, and a worker node that
-dies mid-generation is survived with every rollout written once."""
+job's runtime_env, engines run on the worker nodes, a worker node that dies
+mid-generation is survived with every rollout written once, and on a cluster
+with token authentication the run works with the token and a driver without
+it is refused."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -12,6 +18,7 @@ import ray
 from cluster_support import ProcessCluster
 from rollout_support import (
     NUM_PROMPTS,
+    REPO,
     long_run,
     nothing_left,
     rows_by_prompt,
@@ -141,3 +148,53 @@ def test_worker_node_lost_mid_generation(driver, tiny_model, tmp_path):
     replacements = [a for a in run_actors(run_id) if a["Address"]["NodeID"] == survivor]
     assert len(replacements) == 2
     nothing_left(run_id)
+
+
+@pytest.fixture(scope="module")
+def token_cluster():
+    """One node with CPUs for the engines, token authentication on. Ray reads
+    RAY_AUTH_MODE once per process, so its drivers are subprocesses."""
+    nodes = ProcessCluster(token=secrets.token_hex(16))
+    try:
+        nodes.start_head(num_cpus=2)
+        yield nodes
+    finally:
+        nodes.shutdown()
+
+
+def driver_env(token: str | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {})
+    return {**env, **extra}
+
+
+def test_token_authentication(token_cluster, tiny_model, tmp_path, prefect_api_url):
+    """The CLI run, given the token the way Ray documents (RAY_AUTH_TOKEN),
+    ships its code, runs its engines and completes; a driver with a wrong
+    token, or none, cannot even connect."""
+    params = small_run(tiny_model, tmp_path, address=token_cluster.address)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in params.items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *flags],
+        cwd=token_cluster.root,  # not the repository: Ray puts it on the workers' path
+        env=driver_env(token_cluster.token, PYTHONPATH=str(REPO), PREFECT_API_URL=prefect_api_url),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    assert_every_rollout_once(tmp_path, run_dir.name)
+
+    probe = "import ray, sys; ray.init(address=sys.argv[1]); print('connected')"
+    for token in ("0" * 32, None):
+        refused = subprocess.run(
+            [sys.executable, "-c", probe, token_cluster.address],
+            cwd=token_cluster.root,
+            env=driver_env(token, RAY_AUTH_MODE="token" if token else "disabled"),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert refused.returncode != 0 and "connected" not in refused.stdout
+        assert "Authentication token is missing or incorrect" in refused.stderr
