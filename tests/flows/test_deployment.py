@@ -172,7 +172,7 @@ def test_deployments_from_prefect_yaml(server):
     assert nightly.enforce_parameter_schema and on_demand.enforce_parameter_schema
     assert on_demand.work_pool_name == POOL
     for deployment in (nightly, on_demand):
-        assert deployment.concurrency_limit == 1
+        assert deployment.global_concurrency_limit.limit == 1
         assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
         # Resolved by `prefect deploy` from the Prefect variable.
         address = ray.get_runtime_context().gcs_address
