@@ -158,6 +158,11 @@ class RolloutParams(BaseModel):
         description="Ray cluster to connect to. Empty: RAY_ADDRESS if set, else a local Ray "
         "started for the run.",
     )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra Ray runtime_env for the run's job, merged with the project's code "
+        'that the run ships to a cluster, e.g. {"env_vars": {"HF_HOME": "/data/hf"}}.',
+    )
     local_num_cpus: int | None = Field(
         None,
         ge=1,

@@ -58,8 +58,21 @@ class RunSummary:
     curves: str | None
 
 
+def run_name() -> str:
+    """The flow run's name in the UI: model, engines and iterations, e.g.
+    `qwen2.5-7b-x8-3it` (the default tiny model reads `tiny`)."""
+    params = flow_run.parameters.get("params") or {}
+    if not isinstance(params, dict):
+        params = params.model_dump()
+    defaults = RolloutParams()
+    model = Path(params.get("model") or "tiny").name
+    engines = params.get("num_engines", defaults.num_engines)
+    return f"{model}-x{engines}-{params.get('iterations', defaults.iterations)}it"
+
+
 @flow(
     name="rollout",
+    flow_run_name=run_name,
     on_failure=[sweep_engines],
     on_crashed=[sweep_engines],
     on_cancellation=[sweep_engines],
@@ -95,6 +108,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         num_engines=params.num_engines,
         tensor_parallel_size=params.tensor_parallel_size,
         with_policy=on_policy,
+        runtime_env=params.runtime_env,
     )
     pool: EnginePool | None = None
     policy = None

@@ -83,8 +83,10 @@ def wait_ready(pool: EnginePool, timeout_s: float) -> None:
                 pool.mark_failed(
                     index, EngineTimeoutError(f"not ready within {timeout_s:g}s", pool.name(index))
                 )
+            problem = pool.placement_problem()
             raise EngineTimeoutError(
-                f"engines {[pool.name(i) for i in late]} were not ready within {timeout_s:g}s",
+                f"engines {[pool.name(i) for i in late]} were not ready within {timeout_s:g}s"
+                + (f"; {problem}" if problem else ""),
                 pool.name(late[0]),
             )
         for ref in done:

@@ -67,6 +67,7 @@ class IterationReport:
     cache_policy=NO_CACHE,
     persist_result=False,
     retry_condition_fn=retry_on_engine_failure,
+    task_run_name="generate-iter-{plan.iteration}",
 )
 def generate_rollouts(
     pool: EnginePool,

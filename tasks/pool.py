@@ -13,6 +13,8 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
+import ray
+
 from engines import EngineSet
 from engines.vllm_engine import replace_engine
 
@@ -77,3 +79,18 @@ class EnginePool:
             self.stats[index].restarts += 1
             del self.failed[index]
         return replaced
+
+    def placement_problem(self) -> str | None:
+        """Why engines may not come up, if placement is the reason: after a
+        node is lost Ray re-places the group's bundles that were on it
+        (RESCHEDULING) once the other nodes have room; the replacements wait
+        for that, under the readiness deadline."""
+        placement = self.engines.placement
+        state = ray.util.placement_group_table(placement.placement_group).get("state")
+        if state in (None, "CREATED"):
+            return None
+        return (
+            f"their placement group is {state}: a node was lost and the remaining nodes lack "
+            f"room for its bundles {placement.placement_group.bundle_specs}; add capacity, "
+            "or rerun with fewer engines"
+        )

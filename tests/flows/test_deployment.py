@@ -1,8 +1,12 @@
 """End to end through a real Prefect server: `prefect deploy` from
 prefect.yaml, `prefect deployment run`, a process worker; runs that
 complete, are cancelled through the API, fail and are retried like the UI's
-"Retry" button. The runs connect to the Ray cluster this test owns, so what
-they leave behind is checked through Ray."""
+"Retry" button, and a second run that waits for the first (the deployment's
+concurrency limit). The runs connect to the Ray cluster this test owns, so
+what they leave behind is checked through Ray.
+
+Workers start in an empty directory: each run gets the code from the pull
+step, a clone of this checkout's committed HEAD (`rolloutflow_repository`)."""
 
 from __future__ import annotations
 
@@ -75,11 +79,14 @@ class Server:
         done = self.cli("deployment", "run", DEPLOYMENT, "--params", json.dumps({"params": params}))
         return re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1)
 
-    def start_worker(self, name: str) -> subprocess.Popen:
+    def start_worker(self, name: str, *, run_once: bool = True) -> subprocess.Popen:
+        """A worker in an empty directory of its own (not the repository)."""
         log = (self.logs / f"worker-{name}.log").open("w")
+        workdir = self.logs / f"worker-{name}"
+        workdir.mkdir()
         return subprocess.Popen(
-            [PREFECT, "worker", "start", "--pool", POOL, "--run-once"],
-            cwd=REPO,
+            [PREFECT, "worker", "start", "--pool", POOL] + (["--run-once"] if run_once else []),
+            cwd=workdir,
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -103,9 +110,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
+def server(tmp_path_factory, ray_local_module) -> Iterator[Server]:
     """A real `prefect server start` on loopback with its own home and SQLite
-    database, the process work pool and both deployments of prefect.yaml."""
+    database, the process work pool, the variables prefect.yaml reads and
+    both deployments."""
     home = tmp_path_factory.mktemp("prefect-server")
     url = f"http://127.0.0.1:{free_port()}/api"
     env = {
@@ -125,10 +133,13 @@ def server(tmp_path_factory) -> Iterator[Server]:
         start_new_session=True,  # its own process group: stopped as a whole below
     )
     try:
-        wait_until(lambda: healthy(url) or process.poll() is not None, 120, "the Prefect server")
+        wait_until(lambda: healthy(url) or process.poll() is not None, 300, "the Prefect server")
         assert process.poll() is None, (home / "server.log").read_text()[-3000:]
         running = Server(url, env, home)
         running.cli("work-pool", "create", POOL, "--type", "process")
+        running.cli("variable", "set", "rolloutflow_repository", str(REPO))
+        ray_address = ray_local_module.get_runtime_context().gcs_address
+        running.cli("variable", "set", "ray_address", ray_address)
         running.cli("--no-prompt", "deploy", "--all")
         yield running
     finally:
@@ -159,6 +170,17 @@ def test_deployments_from_prefect_yaml(server):
     assert on_demand.schedules == []
     assert nightly.enforce_parameter_schema and on_demand.enforce_parameter_schema
     assert on_demand.work_pool_name == POOL
+    for deployment in (nightly, on_demand):
+        assert deployment.global_concurrency_limit.limit == 1
+        assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
+        # Resolved by `prefect deploy` from the Prefect variable.
+        address = ray.get_runtime_context().gcs_address
+        assert deployment.job_variables["env"]["RAY_ADDRESS"] == address
+        assert [list(step) for step in deployment.pull_steps] == [
+            ["prefect.deployments.steps.git_clone"],
+            ["prefect.deployments.steps.set_working_directory"],
+        ]
+    assert nightly.parameters["params"]["num_engines"] == 8
 
 
 def test_invalid_parameters_are_rejected_by_the_server(server):
@@ -170,12 +192,43 @@ def test_invalid_parameters_are_rejected_by_the_server(server):
 
 
 def test_deployment_run_completes(server, address, tiny_model, tmp_path):
-    run_id = server.run_deployment(small_run(tiny_model, tmp_path, address))
+    """No `address` parameter: the run finds Ray through RAY_ADDRESS, set by
+    the work pool's job variables; the code comes from the pull step."""
+    run_id = server.run_deployment(small_run(tiny_model, tmp_path))
     state = server.finish(server.start_worker("complete"), run_id, "complete")
     assert state.is_completed(), state
     rows = rows_by_prompt(read_rows(tmp_path / run_id / "iter-000"))
     assert sorted(rows) == [(p, s) for p in range(NUM_PROMPTS) for s in range(2)]
+    with server.client() as client:
+        assert client.read_flow_run(uuid.UUID(run_id)).name == "tiny-llama-x2-1it"
+    # The process worker runs each flow run in a temporary directory of its
+    # own, empty: the entrypoint (flows/rollout.py) was there only because
+    # the pull step cloned the repository into it.
     nothing_left(run_id)
+
+
+def test_second_run_waits_for_the_first(server, address, tiny_model, tmp_path):
+    """The deployment's concurrency limit (1, ENQUEUE): a run submitted while
+    another runs waits for its slot, then runs; neither fails."""
+    first = server.run_deployment(long_run(tiny_model, tmp_path / "first", address))
+    second = server.run_deployment(small_run(tiny_model, tmp_path / "second", address))
+    worker = server.start_worker("queue", run_once=False)
+    try:
+        wait_until(lambda: server.state(first).is_final(), 300, "the first run")
+        wait_until(lambda: server.state(second).is_final(), 300, "the second run")
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    with server.client() as client:
+        runs = [client.read_flow_run(uuid.UUID(r)) for r in (first, second)]
+        states = {r.id: [s.name for s in client.read_flow_run_states(r.id)] for r in runs}
+    assert all(run.state.is_completed() for run in runs), runs
+    # The worker may have picked either up first; the other waited.
+    earlier, later = sorted(runs, key=lambda run: run.start_time)
+    assert "AwaitingConcurrencySlot" in states[later.id], states
+    assert later.start_time >= earlier.end_time
+    nothing_left(first)
+    nothing_left(second)
 
 
 def test_cancelled_through_the_api_leaves_nothing(server, address, tiny_model, tmp_path):

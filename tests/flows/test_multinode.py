@@ -1,0 +1,200 @@
+"""The rollout flow on a real multi-node Ray cluster whose nodes cannot
+import rolloutflow (`cluster_support`): the run ships its code through the
+job's runtime_env, engines run on the worker nodes, a worker node that dies
+mid-generation is survived with every rollout written once, and on a cluster
+with token authentication the run works with the token and a driver without
+it is refused."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+
+import pytest
+import ray
+from cluster_support import ProcessCluster
+from rollout_support import (
+    NUM_PROMPTS,
+    REPO,
+    long_run,
+    nothing_left,
+    rows_by_prompt,
+    run_dirs,
+    small_run,
+    wait_until,
+    written_shards,
+)
+
+from flows.params import RolloutParams
+from flows.rollout import rollout
+from tasks.shards import read_rows
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head without CPUs (nothing of the run lands there) and two workers
+    of two CPUs each, tagged with a custom resource of their own name."""
+    ray.shutdown()  # the session's local Ray, if an earlier test started it
+    nodes = ProcessCluster()
+    try:
+        nodes.start_head(num_cpus=0)
+        nodes.add_worker("w1", 2, {"w1": 1})
+        nodes.add_worker("w2", 2, {"w2": 1})
+        ray.init(address=nodes.address)
+        nodes.wait_for_nodes()
+        ray.shutdown()
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+@pytest.fixture
+def driver(cluster, monkeypatch):
+    """The test process as a driver of the cluster, outside the repository:
+    Ray puts the driver's working directory on its workers' path."""
+    monkeypatch.chdir(cluster.root)
+    ray.shutdown()
+    yield cluster
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=1)
+def import_engines() -> str:
+    try:
+        import engines
+    except ImportError as exc:
+        return f"ImportError: {exc}"
+    return engines.__file__
+
+
+def run_actors(run_id: str) -> list[dict]:
+    """The run's actors as GCS recorded them, dead ones included."""
+    return [
+        actor
+        for actor in ray._private.state.actors().values()
+        if actor["Name"].startswith(f"rf-{run_id}-")
+    ]
+
+
+def assert_every_rollout_once(output_dir, run_id: str) -> None:
+    rows = rows_by_prompt(read_rows(output_dir / run_id / "iter-000"))
+    assert sorted(rows) == [(p, s) for p in range(NUM_PROMPTS) for s in range(2)]
+
+
+def test_nodes_cannot_import_rolloutflow_without_the_runtime_env(driver):
+    ray.init(address=driver.address)
+    for node in ("w1", "w2"):
+        answer = ray.get(import_engines.options(resources={node: 0.01}).remote(), timeout=120)
+        assert answer == "ImportError: No module named 'engines'", (node, answer)
+
+
+def test_flow_ships_its_code_and_runs_engines_on_the_workers(driver, tiny_model, tmp_path):
+    state = rollout(
+        RolloutParams(**small_run(tiny_model, tmp_path, address=driver.address)),
+        return_state=True,
+    )
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    assert_every_rollout_once(tmp_path, run_id)
+
+    # The run left this process connected to the cluster (it did not start it).
+    engines = run_actors(run_id)
+    assert len(engines) == 2
+    workers = {driver.nodes["w1"].node_id, driver.nodes["w2"].node_id}
+    assert {actor["Address"]["NodeID"] for actor in engines} <= workers
+    assert all(actor["State"] == "DEAD" for actor in engines)
+    nothing_left(run_id)
+
+
+def test_worker_node_lost_mid_generation(driver, tiny_model, tmp_path):
+    """Kill the node that holds the engines (both: the placement group packs
+    them) while shards are being written: Ray re-places the engines' bundles
+    on the other worker, the retry replaces the engines there, and the run
+    completes with every rollout once and nothing left."""
+    killed: list[str] = []
+
+    def kill_engines_node():
+        wait_until(lambda: written_shards(tmp_path), 240, "the first shard")
+        (run_dir,) = run_dirs(tmp_path)
+        alive = [a for a in run_actors(run_dir.name) if a["State"] == "ALIVE"]
+        (node_id,) = {actor["Address"]["NodeID"] for actor in alive}
+        (name,) = [n for n, node in driver.nodes.items() if node.node_id == node_id]
+        driver.kill(name)
+        killed.append(name)
+
+    # Connected first, so the killer can look at the actors; the run keeps
+    # this connection (and ships no code: the test does it here).
+    from tasks.cluster import code_runtime_env
+
+    ray.init(address=driver.address, runtime_env=code_runtime_env())
+    killer = threading.Thread(target=kill_engines_node, daemon=True)
+    killer.start()
+    state = rollout(
+        RolloutParams(**long_run(tiny_model, tmp_path, address=driver.address, max_tokens=40)),
+        return_state=True,
+    )
+    killer.join(timeout=30)
+    assert state.is_completed(), state.message
+    assert len(killed) == 1
+    run_id = str(state.state_details.flow_run_id)
+    assert_every_rollout_once(tmp_path, run_id)
+    survivor = driver.nodes["w2" if killed == ["w1"] else "w1"].node_id
+    replacements = [a for a in run_actors(run_id) if a["Address"]["NodeID"] == survivor]
+    assert len(replacements) == 2
+    nothing_left(run_id)
+
+
+@pytest.fixture(scope="module")
+def token_cluster():
+    """One node with CPUs for the engines, token authentication on. Ray reads
+    RAY_AUTH_MODE once per process, so its drivers are subprocesses."""
+    nodes = ProcessCluster(token=secrets.token_hex(16))
+    try:
+        nodes.start_head(num_cpus=2)
+        yield nodes
+    finally:
+        nodes.shutdown()
+
+
+def driver_env(token: str | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {})
+    return {**env, **extra}
+
+
+def test_token_authentication(token_cluster, tiny_model, tmp_path, prefect_api_url):
+    """The CLI run, given the token the way Ray documents (RAY_AUTH_TOKEN),
+    ships its code, runs its engines and completes; a driver with a wrong
+    token, or none, cannot even connect."""
+    params = small_run(tiny_model, tmp_path, address=token_cluster.address)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in params.items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *flags],
+        cwd=token_cluster.root,  # not the repository: Ray puts it on the workers' path
+        env=driver_env(token_cluster.token, PYTHONPATH=str(REPO), PREFECT_API_URL=prefect_api_url),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    assert_every_rollout_once(tmp_path, run_dir.name)
+
+    probe = "import ray, sys; ray.init(address=sys.argv[1]); print('connected')"
+    for token in ("0" * 32, None):
+        refused = subprocess.run(
+            [sys.executable, "-c", probe, token_cluster.address],
+            cwd=token_cluster.root,
+            env=driver_env(token, RAY_AUTH_MODE="token" if token else "disabled"),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert refused.returncode != 0 and "connected" not in refused.stdout
+        assert "Authentication token is missing or incorrect" in refused.stderr
