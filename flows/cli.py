@@ -170,15 +170,17 @@ def local_ray_cpus(params: RolloutParams) -> int:
     return params.local_num_cpus or max(os.cpu_count() or 1, needed)
 
 
-def start_local_ray(params: RolloutParams) -> bool:
-    """Start the run's local Ray here, in the CLI, so the CLI owns its signal
-    handling and its end; the flow then connects to it. False: the run uses a
-    cluster of its own (an address)."""
-    if params.address or os.environ.get(RAY_ADDRESS):
-        return False
+def start_ray(params: RolloutParams) -> bool:
+    """Start the run's local Ray, or connect to its cluster, here in the main
+    thread, so that the CLI owns the signal handling and ends the connection;
+    the flow then uses this connection. True: a local Ray started here."""
     lifetime.quiet_ray_signal_handlers()
     import ray
 
+    address = params.address or os.environ.get(RAY_ADDRESS)
+    if address:
+        ray.init(address=address, namespace="rolloutflow-cli")
+        return False
     ray.init(
         address="local",
         num_cpus=local_ray_cpus(params),
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ray first: a raylet that waits past Ray's fixed start-up deadline
         # (its agents starved of CPU) fails the run; the Prefect server then
         # comes up while Prefect is imported here.
-        ray_here = start_local_ray(params)
+        ray_here = start_ray(params)
         ray_s = time.monotonic() - began
         signals.install()  # ray.init took SIGTERM
         signals.check()
@@ -281,10 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stopped_by = None
     finally:
-        if ray_here:
-            import ray
+        import ray
 
-            ray.shutdown()
+        ray.shutdown()  # a no-op unless connected
         if server is not None:
             server.stop()
     if stopped_by:
