@@ -44,18 +44,23 @@ def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows
     """At start-up: a trainer that added tokens (and resized its embeddings to
     its tokenizer) sends embed_tokens/lm_head with more rows than the engine
     holds. Warned by each engine; Ray folds the same line from many actors."""
-    if tokenizer_size != model_vocab:
-        logger.warning(
-            "engine %s: the tokenizer has %d tokens, the model's vocab_size is %d and the "
-            "engine holds %d embedding rows: token ids >= %d cannot be served, and a sync of "
-            "embeddings resized to the tokenizer will be refused; save the model with "
-            "vocab_size matching the trainer's embeddings",
-            engine,
-            tokenizer_size,
-            model_vocab,
-            rows,
-            model_vocab,
-        )
+    if tokenizer_size == model_vocab:
+        return
+    if tokenizer_size > rows:
+        consequence = f"token ids >= {rows} cannot be served"
+    else:  # the usual padded vocabulary: only a resize to the tokenizer's size breaks
+        consequence = "the vocabulary is padded"
+    logger.warning(
+        "engine %s: the tokenizer has %d tokens, the model's vocab_size is %d and the "
+        "engine holds %d embedding rows (%s); a trainer that resizes its embeddings to "
+        "the tokenizer's size will have its sync refused: keep the trainer's embeddings "
+        "at the model's vocab_size, or save the resized model and create the engines from it",
+        engine,
+        tokenizer_size,
+        model_vocab,
+        rows,
+        consequence,
+    )
 
 
 def normalize_prompts(prompts: Any) -> tuple[list[list[int]], bool]:
