@@ -16,6 +16,11 @@ MODEL_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16"
 # 0.006-0.009 (TP=1, TP=2, two engines on one GPU).
 LOGPROB_MAX_ABS = 0.1
 LOGPROB_MEAN_ABS = 0.02
+# After a sync of perturbed weights the error grows with the logits: after the
+# first perturbation (logits ~1.4x larger) max 0.109 / mean 0.023 (H200,
+# 2026-11-29), after a third mean 0.044. The bound leaves room for those.
+SYNCED_MAX_ABS = 0.2
+SYNCED_MEAN_ABS = 0.06
 
 
 def reference_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:

@@ -13,8 +13,8 @@ import sys
 import gpu_helpers
 import pytest
 from gpu_helpers import (
-    LOGPROB_MAX_ABS,
-    LOGPROB_MEAN_ABS,
+    SYNCED_MAX_ABS,
+    SYNCED_MEAN_ABS,
     assert_logprob_parity,
     wait_gpus_released,
     wait_ready,
@@ -132,7 +132,9 @@ def test_openrlhf_trainer_syncs_and_the_engine_follows(
         )
         diffs = [abs(a - b) for a, b in zip(ours, theirs, strict=True)]
         print(f"{sent} tensors sent; engine vs trainer logprobs: max |diff| {max(diffs):.4f}")
-        assert max(diffs) < LOGPROB_MAX_ABS and sum(diffs) / len(diffs) < LOGPROB_MEAN_ABS
+        # The trainer perturbed the weights: the bound of a synced engine
+        # (2026-11-30, H200 x2: max 0.0749, mean 0.0225 after this sync).
+        assert max(diffs) < SYNCED_MAX_ABS and sum(diffs) / len(diffs) < SYNCED_MEAN_ABS
         assert completion.token_ids != before.token_ids  # the weights did move
     finally:
         ray.kill(trainer)
