@@ -121,7 +121,7 @@ def update_info(weights, **extra) -> dict[str, Any]:
 def prompt_logprobs(engine, prompt: list[int]) -> list[float]:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     (out,) = get(engine.generate.remote([prompt], params), TIMEOUT_S)
-    return [step[t] for step, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
 
 
 def trainer_logprobs(model, prompt: list[int]) -> list[float]:
