@@ -92,6 +92,17 @@ class Server:
             stderr=subprocess.STDOUT,
         )
 
+    def stop_worker(self, worker: subprocess.Popen) -> None:
+        """SIGTERM, then SIGKILL if the worker is still shutting down after a
+        minute (a loaded box): a worker left running would take the next
+        test's runs."""
+        worker.terminate()
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait(timeout=30)
+
     def finish(self, worker: subprocess.Popen, run_id: str, name: str) -> State:
         try:
             worker.wait(timeout=180)
@@ -217,8 +228,7 @@ def test_second_run_waits_for_the_first(server, address, tiny_model, tmp_path):
         wait_until(lambda: server.state(first).is_final(), 300, "the first run")
         wait_until(lambda: server.state(second).is_final(), 300, "the second run")
     finally:
-        worker.terminate()
-        worker.wait(timeout=60)
+        server.stop_worker(worker)
     with server.client() as client:
         runs = [client.read_flow_run(uuid.UUID(r)) for r in (first, second)]
         states = {r.id: [s.name for s in client.read_flow_run_states(r.id)] for r in runs}

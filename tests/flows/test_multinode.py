@@ -173,7 +173,8 @@ def test_token_authentication(token_cluster, tiny_model, tmp_path, prefect_api_u
     ships its code, runs its engines and completes; a driver with a wrong
     token, or none, cannot even connect."""
     params = small_run(tiny_model, tmp_path, address=token_cluster.address)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in params.items()]
+    # --plain: a rollout job on these parameters, without the CLI's demo preset.
+    flags = ["--plain"] + [f"--{k.replace('_', '-')}={v}" for k, v in params.items()]
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", *flags],
         cwd=token_cluster.root,  # not the repository: Ray puts it on the workers' path
