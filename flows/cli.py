@@ -179,13 +179,22 @@ def start_ray(params: RolloutParams) -> bool:
 
     address = params.address or os.environ.get(RAY_ADDRESS)
     if address:
-        ray.init(address=address, namespace="rolloutflow-cli")
+        # The job's runtime_env ships the run's code to nodes without it: the
+        # flow, finding Ray connected, does not connect again.
+        from tasks.cluster import code_runtime_env
+
+        ray.init(
+            address=address,
+            namespace="rolloutflow-cli",
+            runtime_env=code_runtime_env(params.runtime_env),
+        )
         return False
     ray.init(
         address="local",
         num_cpus=local_ray_cpus(params),
         include_dashboard=False,
         namespace="rolloutflow-cli",
+        runtime_env=params.runtime_env or None,
     )
     lifetime.reap_on_death(lifetime.descendants(os.getpid()))
     return True
