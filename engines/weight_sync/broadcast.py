@@ -27,7 +27,7 @@ from engines.weight_sync.buckets import (
     unpack_bucket,
 )
 from engines.weight_sync.checksum import device_sums, finish_checksums
-from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig
+from engines.weight_sync.config import DEFAULT_GROUP_NAME, GroupInfo, SyncConfig, new_secret
 from engines.weight_sync.coordinator import (
     Coordinator,
     ManifestCache,
@@ -38,7 +38,7 @@ from engines.weight_sync.coordinator import (
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError
-from engines.weight_sync.group import WeightGroup, free_port
+from engines.weight_sync.group import WeightGroup, listen
 from engines.weight_sync.manifest import Manifest
 from engines.weight_sync.protocol import Begun, Received, Transport, WorkerAnswer
 from engines.weight_sync.session import WeightSync, validated
@@ -48,6 +48,18 @@ logger = logging.getLogger(__name__)
 
 
 # --- trainer side --------------------------------------------------------------------------
+def rendezvous_address(worker_nodes: list[list[str]]) -> str:
+    """Where the trainer's rendezvous listens: loopback when every engine
+    worker is on the trainer's node, else the node's cluster address (the
+    one Ray's nodes reach it by)."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    if all(node == here for nodes in worker_nodes for node in nodes):
+        return "127.0.0.1"
+    return here
+
+
 class BroadcastSender:
     """Rank 0 of a process group with every engine worker: gloo on CPU, NCCL
     on GPU. Parameters travel in flat buckets of `config.bucket_bytes`, with
@@ -84,13 +96,23 @@ class BroadcastSender:
         self.close()
         self.engines = as_engine_list(engines)
         timeout = self.config.timeout_s
-        sizes = raise_first_error(
-            call_engines(self.engines, "num_weight_workers", timeout_s=timeout)
+        nodes = raise_first_error(
+            call_engines(self.engines, "weight_worker_nodes", timeout_s=timeout)
         )
+        sizes = [len(n) for n in nodes]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        address = self.master_address or ray.util.get_node_ip_address()
+        address = self.master_address or rendezvous_address(nodes)
+        # Bound before the engines hear of the port: it cannot be taken
+        # meanwhile, and it listens on `address` only.
+        listener = listen(address)
         info = GroupInfo(
-            address, free_port(), 1 + sum(sizes), self.group_name, self.backend, timeout
+            address,
+            listener.getsockname()[1],
+            1 + sum(sizes),
+            self.group_name,
+            self.backend,
+            timeout,
+            new_secret(),
         )
         refs = [
             engine.init_process_group.remote(
@@ -102,11 +124,12 @@ class BroadcastSender:
                 info.backend,
                 False,
                 timeout,
+                secret=info.secret,
             )
             for engine, offset in zip(self.engines, offsets, strict=True)
         ]
         try:
-            group = WeightGroup(info, rank=0, device=self.device)
+            group = WeightGroup(info, rank=0, device=self.device, listener=listener)
         except WeightSyncError:
             for ref in refs:
                 ray.cancel(ref, force=False)

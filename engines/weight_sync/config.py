@@ -6,7 +6,10 @@ takes to join the trainer's process group, and how one sync runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import base64
+import binascii
+import os
+from dataclasses import dataclass, field
 from typing import Literal
 
 #: Transport backends of the collective broadcast.
@@ -16,11 +19,23 @@ ON_FAILURE = ("restore", "stale")
 DEFAULT_GROUP_NAME = "rolloutflow"
 
 
+def new_secret() -> str:
+    """A fresh weight-group secret: 32 random bytes in urlsafe base64 (the
+    form of a Fernet key, which `sealed_store.py` makes of it)."""
+    return base64.urlsafe_b64encode(os.urandom(32)).decode()
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     """How the workers of the engines join the trainer's process group: the
-    trainer is rank 0 and hosts the rendezvous at `master_address:master_port`;
-    engine `i`'s worker of local rank `r` is rank `rank_offset_i + r`."""
+    trainer is rank 0 and hosts the rendezvous at `master_address:master_port`
+    (listening on that address only); engine `i`'s worker of local rank `r` is
+    rank `rank_offset_i + r`.
+
+    `secret` (our trainer always sets one; it reaches the members through Ray):
+    the rendezvous store is sealed with it (`sealed_store.py`), so only the
+    processes given it can join. None is the layout of OpenRLHF's and vLLM's
+    own trainers, which have no secret: anyone reaching the port can join."""
 
     master_address: str
     master_port: int
@@ -28,8 +43,17 @@ class GroupInfo:
     group_name: str = DEFAULT_GROUP_NAME
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 60.0
+    secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.secret is not None:
+            try:
+                valid = len(base64.urlsafe_b64decode(self.secret.encode())) == 32
+            except (binascii.Error, ValueError, AttributeError):
+                valid = False
+            if not valid:
+                # Not echoed: it may be a real secret with a typo.
+                raise ValueError("secret must be 32 bytes in urlsafe base64 (config.new_secret())")
         if not self.master_address:
             raise ValueError(
                 f"master_address must be a host name or IP, got {self.master_address!r}"

@@ -4,11 +4,21 @@ per-parameter, vLLM's native NCCL): gloo through torch.distributed on CPUs, NCCL
 `StatelessProcessGroup` + `PyNcclCommunicator` on GPUs (what OpenRLHF and
 vLLM's RLHF examples use).
 
-Compatibility: the gloo group is laid out exactly as OpenRLHF's
-`init_process_group(backend="gloo", init_method="tcp://addr:port",
+Who gets in: rank 0 listens on `GroupInfo.master_address` only (a socket we
+bind and hand to the TCPStore, which would otherwise listen on every
+interface), and with `GroupInfo.secret` the store is sealed
+(`sealed_store.py`): a process without the secret cannot read the rendezvous
+(gloo's addresses, NCCL's unique id), claim a rank, or plant a value a member
+would read (the join fails naming the key instead).
+
+Compatibility: without a secret, the gloo group is laid out exactly as
+OpenRLHF's `init_process_group(backend="gloo", init_method="tcp://addr:port",
 group_name=...)` helper lays out its group (a TCPStore under `PrefixStore(group_name)`,
 then torch's own per-group and per-device prefixes), so a trainer that builds
-its group with that helper (torch.distributed only) joins ours and vice versa.
+its group with that helper (torch.distributed only) joins ours and vice
+versa; the NCCL group is vLLM's `StatelessProcessGroup.create` rendezvous. Such
+foreign trainers have no secret, so their groups are as open as upstream's;
+with a secret (our `BroadcastSender`) only our members can join.
 
 Every collective has a deadline: gloo's own timeout; for NCCL, which has none,
 a watchdog polls the CUDA event and aborts the communicator
@@ -19,6 +29,7 @@ when a peer dies: https://github.com/NVIDIA/nccl/issues/585).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from datetime import timedelta
@@ -37,10 +48,67 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class WeightGroup:
-    """One member's handle on the weight-sync group (trainer or engine worker)."""
+def listen(address: str, port: int = 0) -> socket.socket:
+    """A socket listening on `address` only (port 0: one the OS picks), for
+    rank 0's rendezvous store."""
+    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
-    def __init__(self, info: GroupInfo, rank: int, device: Any = None):
+
+def rendezvous_store(info: GroupInfo, rank: int, listener: socket.socket | None = None) -> Any:
+    """The group's store: rank 0 serves it on `listener` (by default a socket
+    bound to `info.master_address:info.master_port`), the others connect.
+    Sealed with `info.secret` when there is one."""
+    from torch.distributed import TCPStore
+
+    fd = None
+    if rank == 0:
+        listener = listener or listen(info.master_address, info.master_port)
+        fd = listener.detach()  # the store owns it from here
+    try:
+        store = TCPStore(
+            info.master_address,
+            info.master_port,
+            info.world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=info.timeout_s),
+            wait_for_workers=True,
+            master_listen_fd=fd,
+            # As vLLM's StatelessProcessGroup: libuv's server mishandled a
+            # listen fd handed in (https://github.com/pytorch/pytorch/pull/150215).
+            use_libuv=False,
+        )
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    if info.secret is None:
+        return store
+    from engines.weight_sync.sealed_store import SealedStore
+
+    return SealedStore(store, info.secret, info.group_name)
+
+
+class WeightGroup:
+    """One member's handle on the weight-sync group (trainer or engine worker).
+    Rank 0 may pass the `listener` whose port is `info.master_port` (bound
+    before `info` was made, so the port is never raced for)."""
+
+    def __init__(
+        self,
+        info: GroupInfo,
+        rank: int,
+        device: Any = None,
+        listener: socket.socket | None = None,
+    ):
         if not 0 <= rank < info.world_size:
             raise ValueError(f"rank {rank} is outside the group of {info.world_size}")
         self.info = info
@@ -52,10 +120,11 @@ class WeightGroup:
         self._stream = None
         started = time.monotonic()
         try:
+            store = rendezvous_store(info, rank, listener)
             if info.backend == "gloo":
-                self._join_gloo()
+                self._join_gloo(store)
             else:
-                self._join_nccl()
+                self._join_nccl(store)
         except WeightTransferError:
             raise
         except Exception as exc:  # noqa: BLE001 - one error type for a failed join
@@ -83,18 +152,11 @@ class WeightGroup:
         return self._gloo is not None or self._nccl is not None
 
     # --- gloo -------------------------------------------------------------------
-    def _join_gloo(self) -> None:
-        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+    def _join_gloo(self, store: Any) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo
 
         timeout = timedelta(seconds=self.info.timeout_s)
-        self._store = TCPStore(
-            self.info.master_address,
-            self.info.master_port,
-            self.info.world_size,
-            is_master=self.rank == 0,
-            timeout=timeout,
-            wait_for_workers=True,
-        )
+        self._store = store
         name = self.info.group_name
         # The same prefixes as torch's `_new_process_group_helper` under
         # OpenRLHF's helper: PrefixStore(group_name) -> "<group_name>/" -> "cpu/".
@@ -112,16 +174,13 @@ class WeightGroup:
         work.wait(timedelta(seconds=self.info.timeout_s))
 
     # --- NCCL (GPU only; vLLM imported here) -------------------------------------
-    def _join_nccl(self) -> None:
+    def _join_nccl(self, store: Any) -> None:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        self._store = StatelessProcessGroup.create(
-            host=self.info.master_address,
-            port=self.info.master_port,
-            rank=self.rank,
-            world_size=self.info.world_size,
-            store_timeout=int(max(1, self.info.timeout_s)),
+        # What `StatelessProcessGroup.create` builds, on our (sealed) store.
+        self._store = StatelessProcessGroup(
+            rank=self.rank, world_size=self.info.world_size, store=store
         )
         self._nccl = PyNcclCommunicator(self._store, device=self.device)
 

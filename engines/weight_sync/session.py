@@ -196,10 +196,12 @@ class WeightSync:
         backend: str = "nccl",
         use_ray: bool = False,
         timeout_s: float | None = None,
+        secret: str | None = None,
     ) -> list[int]:
         """Join the trainer's weight group (OpenRLHF's signature): worker of
         tensor-parallel rank r becomes rank `rank_offset + r`. Must run while the
-        trainer (rank 0) creates its side. Returns the ranks taken."""
+        trainer (rank 0) creates its side. Returns the ranks taken. `secret`:
+        the group's (our trainer's); OpenRLHF's trainers send none."""
         if use_ray:
             # ray.util.collective has no timeout on its collectives, and every
             # collective here must have one.
@@ -219,6 +221,7 @@ class WeightSync:
             group_name=str(group_name),
             backend=backend,
             timeout_s=self.rpc_timeout(timeout_s),
+            secret=secret,
         )
         self.in_group = True
         return ranks
@@ -230,9 +233,10 @@ class WeightSync:
     async def has_weight_group(self) -> bool:
         return all(await self.rpc("has_weight_group"))
 
-    async def num_weight_workers(self) -> int:
-        """Ranks this engine takes in a weight group (its tensor-parallel size)."""
-        return len(await self.rpc("has_weight_group"))
+    async def weight_worker_nodes(self) -> list[str]:
+        """The node address of each worker (one rank each in a weight group:
+        as many as the tensor-parallel size)."""
+        return await self.rpc("node_address")
 
     # --- the session -------------------------------------------------------------------
     async def begin_weight_sync(
@@ -510,7 +514,7 @@ CORE_ENGINE_METHODS = (
     "init_process_group",
     "destroy_weight_group",
     "has_weight_group",
-    "num_weight_workers",
+    "weight_worker_nodes",
     "begin_weight_sync",
     "begin_and_receive",
     "verify_weight_sync",

@@ -277,12 +277,19 @@ class WorkerWeights:
         group_name: str,
         backend: str = "nccl",
         timeout_s: float = 60.0,
+        secret: str | None = None,
     ) -> int:
         """Join the trainer's group as rank `rank_offset + rank` (OpenRLHF's
         WorkerWrap.init_process_group); returns that rank."""
         self.destroy_weight_group()
         info = GroupInfo(
-            master_address, int(master_port), int(world_size), group_name, backend, float(timeout_s)
+            master_address,
+            int(master_port),
+            int(world_size),
+            group_name,
+            backend,
+            float(timeout_s),
+            secret,
         )
         rank = int(rank_offset) + int(self.host.rank)
         self.group = WeightGroup(info, rank, device=self.device)
@@ -295,6 +302,13 @@ class WorkerWeights:
 
     def has_weight_group(self) -> bool:
         return self.group is not None and self.group.alive
+
+    def node_address(self) -> str:
+        """This worker's node address (the trainer listens on loopback when
+        every worker shares its node)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def weight_group_id(self) -> str | None:
         return self.group.group_id if self.has_weight_group() else None
@@ -330,4 +344,5 @@ CORE_WORKER_METHODS = (
     "init_process_group",
     "destroy_weight_group",
     "has_weight_group",
+    "node_address",
 )

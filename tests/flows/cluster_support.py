@@ -64,15 +64,26 @@ class Node:
     process: subprocess.Popen
     log: Path
     node_id: str | None = None
+    killed: bool = False
 
 
 class ProcessCluster:
-    def __init__(self, token: str | None = None) -> None:
+    """`python`/`pythonpath`: the nodes' interpreter and PYTHONPATH, neither
+    holding rolloutflow (default: a throwaway venv over the shared venv's
+    packages, no PYTHONPATH). The GPU hosts' packages live on a PYTHONPATH."""
+
+    def __init__(
+        self,
+        token: str | None = None,
+        python: Path | None = None,
+        pythonpath: str | None = None,
+    ) -> None:
         #: With a token, every node runs with Ray's token authentication on.
         self.token = token
         # Short: Ray's socket paths live under it (the limit is about 107 bytes).
         self.root = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))
-        self.python = python_without_rolloutflow(self.root)
+        self.python = python or python_without_rolloutflow(self.root)
+        self.pythonpath = pythonpath
         self.port = free_port()
         self.address = f"{ray.util.get_node_ip_address()}:{self.port}"
         self.nodes: dict[str, Node] = {}
@@ -85,6 +96,8 @@ class ProcessCluster:
                 "RAY_USAGE_STATS_ENABLED": "0",
             }
         )
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
         if self.token:
             env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token})
         env.update(extra or {})
@@ -133,7 +146,7 @@ class ProcessCluster:
         self.nodes[name] = node
         return node
 
-    def start_head(self, num_cpus: int = 0) -> Node:
+    def start_head(self, num_cpus: int = 0, num_gpus: int = 0, env: dict | None = None) -> Node:
         return self.start(
             "head",
             [
@@ -144,41 +157,53 @@ class ProcessCluster:
                 "--include-dashboard=false",
                 "--disable-usage-stats",
                 f"--num-cpus={num_cpus}",
+                f"--num-gpus={num_gpus}",
             ],
-            HEAD_ENV,
+            {**HEAD_ENV, **(env or {})},
         )
 
-    def add_worker(self, name: str, num_cpus: int, resources: dict[str, float]) -> Node:
+    def add_worker(
+        self,
+        name: str,
+        num_cpus: int,
+        resources: dict[str, float],
+        num_gpus: int = 0,
+        env: dict | None = None,
+    ) -> Node:
         return self.start(
             name,
             [
                 f"--address={self.address}",
                 f"--num-cpus={num_cpus}",
+                f"--num-gpus={num_gpus}",
                 f"--resources={json.dumps(resources)}",
             ],
+            env,
         )
 
     def wait_for_nodes(self, timeout_s: float = 120.0) -> None:
-        """Wait (connected as a driver) until every started node is alive;
-        record each worker's node id by its custom resource."""
+        """Wait (connected as a driver) until every started node not killed is
+        alive, and no other; record each worker's node id by its custom resource."""
+        nodes = {name: node for name, node in self.nodes.items() if not node.killed}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for node in self.nodes.values():
+            for node in nodes.values():
                 if node.process.poll() is not None:
                     raise RuntimeError(f"node {node.name} exited:\n{node.log.read_text()[-3000:]}")
             alive = [n for n in ray.nodes() if n["Alive"]]
-            if len(alive) == len(self.nodes):
+            if len(alive) == len(nodes):
                 for info in alive:
-                    for name in self.nodes:
+                    for name in nodes:
                         if name in info["Resources"]:
                             self.nodes[name].node_id = info["NodeID"]
                 return
             time.sleep(0.2)
-        raise AssertionError(f"{len(self.nodes)} Ray nodes not alive within {timeout_s}s")
+        raise AssertionError(f"{len(nodes)} Ray nodes not alive within {timeout_s}s")
 
     def kill(self, name: str) -> None:
         """Remove a node as a crash would: SIGKILL to its whole process group."""
         node = self.nodes[name]
+        node.killed = True
         try:
             os.killpg(node.process.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -1,7 +1,8 @@
 """The rollout flow on a real multi-node Ray cluster whose nodes cannot
 import rolloutflow (`cluster_support`): the run ships its code through the
 job's runtime_env, engines run on the worker nodes, a worker node that dies
-mid-generation is survived with every rollout written once, and on a cluster
+mid-generation is survived with every rollout written once, the policy's
+node dying fails the run naming the policy with nothing left, and on a cluster
 with token authentication the run works with the token and a driver without
 it is refused."""
 
@@ -28,11 +29,14 @@ from rollout_support import (
     written_shards,
 )
 
+from engines.errors import EngineDeadError
 from flows.params import RolloutParams
 from flows.rollout import rollout
 from tasks.shards import read_rows
 
 pytestmark = pytest.mark.slow
+#: A reward that makes a run on-policy (a policy trains between iterations).
+REWARD = "training.rewards:target_chars_fraction"
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +152,45 @@ def test_worker_node_lost_mid_generation(driver, tiny_model, tmp_path):
     replacements = [a for a in run_actors(run_id) if a["Address"]["NodeID"] == survivor]
     assert len(replacements) == 2
     nothing_left(run_id)
+
+
+def test_policy_node_lost_fails_the_run_and_sweeps_it(driver, tiny_model, tmp_path):
+    """An on-policy run whose policy is on a node of its own: one worker's two
+    CPUs hold the engines, a one-CPU "trainer" node is the only room left for
+    the policy. That node dies mid-generation: the run fails with an error
+    naming the policy, and nothing of the run is left on the cluster."""
+    from tasks.cluster import code_runtime_env
+
+    ray.init(address=driver.address, runtime_env=code_runtime_env())
+    # One engine worker (the node-loss test above leaves one; alone, this ends one).
+    for name in [n for n in ("w1", "w2") if not driver.nodes[n].killed][1:]:
+        driver.kill(name)
+    driver.add_worker("trainer", 1, {"trainer": 1})
+    driver.wait_for_nodes()
+    trainer_node = driver.nodes["trainer"].node_id
+    killed: list[str] = []
+
+    def kill_policy_node():
+        wait_until(lambda: written_shards(tmp_path), 240, "the first shard")
+        (run_dir,) = run_dirs(tmp_path)
+        alive = [a for a in run_actors(run_dir.name) if a["State"] == "ALIVE"]
+        on_trainer = [a["ActorClassName"] for a in alive if a["Address"]["NodeID"] == trainer_node]
+        killed.extend(on_trainer)
+        if on_trainer == ["ReferencePolicy"]:  # else the test fails below, nothing killed
+            driver.kill("trainer")
+
+    killer = threading.Thread(target=kill_policy_node, daemon=True)
+    killer.start()
+    params = long_run(
+        tiny_model, tmp_path, address=driver.address, max_tokens=16, iterations=2, reward=REWARD
+    )
+    state = rollout(RolloutParams(**params), return_state=True)
+    killer.join(timeout=30)
+    assert killed == ["ReferencePolicy"]
+    assert state.is_failed(), state.message
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, EngineDeadError) and error.engine == "policy", repr(error)
+    nothing_left(str(state.state_details.flow_run_id))
 
 
 @pytest.fixture(scope="module")

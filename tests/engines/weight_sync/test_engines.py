@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from test_group import listening_addresses
 
 from engines import RequestError, SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
@@ -238,6 +239,45 @@ def test_openrlhf_trainer_in_another_process_updates_the_engines(setup, tiny_mod
     ] * 2
     out_ = get(engines[0].generate.remote([1, 2, 3], SamplingParams(max_tokens=2)), 30)
     assert out_.weight_version == old_version + 1
+
+
+def test_a_stranger_at_the_rendezvous_neither_joins_nor_corrupts_a_sync(setup):
+    """A process that is not part of the run reaches the weight group's port
+    (on loopback: engines and trainer share this node) while a sync runs: it
+    reads only sealed keys, its claim of rank 1 is never answered, and the
+    engines get the trainer's weights, checksums verified."""
+    engines, policy = setup
+    old = policy_weights(policy)
+    version = health(engines)[0]["weight_version"] + 1
+    sender = BroadcastSender(SyncConfig(bucket_bytes=16 * 1024, timeout_s=TIMEOUT_S))
+    info = sender.init(engines)
+    stranger = None
+    try:
+        assert info.master_address == "127.0.0.1"
+        assert listening_addresses(info.master_port) == ["127.0.0.1"]
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        stranger = subprocess.Popen(
+            [sys.executable, str(HERE / "stranger.py"), "127.0.0.1", str(info.master_port)]
+            + [info.group_name, str(info.world_size), "1", "64", "5"],
+            env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert stranger.stdout.readline().strip() == "connected"
+        assert stranger.stdout.readline().startswith("read ")
+        new = {n: t + 0.25 for n, t in old.items()}
+        report = sender.sync(list(new.items()), version)
+        out, err = stranger.communicate(timeout=60)
+    finally:
+        sender.close()
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait()
+    assert report.verified and report.version == version
+    assert_weights(engines, new)
+    assert out.splitlines()[-1].startswith("refused:"), (out, err)
+    assert "joined" not in out
 
 
 def test_openrlhf_trainer_killed_mid_sync_leaves_engines_stale(setup, tiny_model, tmp_path):
