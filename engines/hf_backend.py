@@ -41,6 +41,7 @@ from engines.hf_sampling import find_stop, logprob_entry, processed_logits, samp
 from engines.outputs import CompletionOutput, LogprobsPosition, RequestOutput
 from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
+from engines.startup import actor_clock
 from engines.worker_extension import WeightSyncWorkerExtension
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class HFEngine(RolloutEngine):
     backend = "hf"
 
     def __init__(self, config: EngineConfig):
+        clock = actor_clock()
         super().__init__(config)
         torch.set_num_threads(env.torch_threads())
         transformers_logging.disable_progress_bar()
@@ -119,12 +121,14 @@ class HFEngine(RolloutEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(
             config.pretrain, trust_remote_code=trust_remote_code
         )
+        clock.mark("tokenizer")
         model = AutoModelForCausalLM.from_pretrained(
             config.pretrain,
             dtype=DTYPES.get(dtype, "auto"),
             trust_remote_code=trust_remote_code,
         )
         model.to(self.device).eval()
+        clock.mark("model load")
         self.worker = HFWorker(model, self.device)
         # transformers 5.x renamed `past_key_values` to `cache` (the old name
         # warns, and goes in 5.40); older releases only know the old name.
@@ -161,8 +165,15 @@ class HFEngine(RolloutEngine):
         self._model_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
         self._thread.start()
+        clock.mark("generation thread")
+        self.startup = clock.report(config.name, self.backend)
         logger.info(
-            "engine %s: %s on %s, seed %d", config.name, config.pretrain, self.device, config.seed
+            "engine %s: %s on %s, seed %d, up in %.1fs",
+            config.name,
+            config.pretrain,
+            self.device,
+            config.seed,
+            self.startup.seconds,
         )
 
     def _eos_ids(self, model: torch.nn.Module) -> list[int]:

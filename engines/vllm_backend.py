@@ -33,7 +33,6 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
     ) from exc
 
 import ray
-from transformers import AutoTokenizer
 
 from engines.base import (
     SLEEP_TAGS,
@@ -50,6 +49,7 @@ from engines.errors import (
 )
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.sampling import SamplingParams
+from engines.startup import OwnLog, actor_clock, vllm_log_phases
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +92,11 @@ class VLLMEngine(RolloutEngine):
     backend = "vllm"
 
     def __init__(self, config: EngineConfig):
+        clock = actor_clock()
+        log = OwnLog()  # vLLM's engine core logs its own start-up split there
         super().__init__(config)
         kwargs = dict(config.engine_kwargs)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            config.pretrain, trust_remote_code=bool(kwargs.get("trust_remote_code", False))
-        )
         # One GPU: the worker lives in the engine-core process ("uni"). More:
         # vLLM's Ray executor places one worker actor per bundle (the bundles
         # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).
@@ -124,7 +123,11 @@ class VLLMEngine(RolloutEngine):
         # batched tokens; ENGINE_CONTEXT gets 128 and 2048; figures in
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
+        clock.mark("engine arguments")
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
+        # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
+        self.tokenizer = self.engine.get_tokenizer()
         vocab = self.engine.model_config.get_vocab_size()
         warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, pad_vocab_size(vocab))
         # This actor is the engine's front end, as vLLM's API server process
@@ -140,6 +143,8 @@ class VLLMEngine(RolloutEngine):
             config.tensor_parallel_size,
             kwargs["distributed_executor_backend"],
         )
+        clock.mark("after the engine")
+        self.startup = clock.report(config.name, self.backend, vllm_log_phases(log.read()))
 
     # --- generation -------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
