@@ -196,6 +196,16 @@ def create_vllm_engines(
     ensure_ray()
     backend = resolve_backend(backend)
     engine_kwargs = spec.resolve_engine_kwargs(engine_kwargs, openrlhf, backend)
+    if spare_engines and backend == "vllm":
+        # A spare sleeps, so it needs sleep mode; every engine of the set gets
+        # it too: vLLM hashes it into the torch.compile cache key, and one key
+        # lets the set, its spares and their successors share one warm cache.
+        if engine_kwargs.get("enable_sleep_mode") is False:
+            raise EngineSpecError(
+                "spare_engines needs enable_sleep_mode (spares sleep until needed); "
+                "leave it unset or True"
+            )
+        engine_kwargs["enable_sleep_mode"] = True
     namespace = namespace or ray.get_runtime_context().namespace
     name_prefix = name_prefix or naming.unique_prefix()
     taken = existing_engine_names(name_prefix, namespace)
@@ -302,21 +312,18 @@ def start_engine(
 
 def start_spare(engines: EngineSet, bundles: list[int]) -> Spare:
     """Start a spare on `bundles` (named past the engines) and ask it to sleep
-    once up; it joins `engines.spares`. A vLLM spare is started in sleep
-    mode: level 1 moves its weights to host memory and drops its KV cache."""
+    once up; it joins `engines.spares`. Sleep level 1 moves a vLLM spare's
+    weights to host memory and drops its KV cache (the set is created in
+    sleep mode when it has spares)."""
     template = engines.template
     if template is None:
         raise EngineSpecError("a spare needs an engine set with at least one engine")
     index = engines.next_index
-    kwargs = dict(template.engine_kwargs)
-    if engines.backend == "vllm":
-        kwargs["enable_sleep_mode"] = True
     config = template.model_copy(
         update={
             "name": naming.engine_name(engines.name_prefix, index),
             "seed": template.seed + index,
             "bundle_indices": list(bundles),
-            "engine_kwargs": kwargs,
         }
     )
     handle = start_engine(engines.backend, config, engines.placement, engines.namespace)

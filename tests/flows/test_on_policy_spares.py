@@ -1,0 +1,67 @@
+"""An on-policy run with a warm spare (`spare_engines=1`): an engine killed
+during iteration 1 is replaced by the spare, which is woken and synced to the
+policy's current weights before it serves; the run completes exactly once."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from rollout_support import kill_engine, nothing_left, rows_by_prompt, run_dirs, wait_until
+from test_on_policy_flow import on_policy_run
+from test_rollout_flow import artifacts_of
+
+from flows.rollout import rollout
+from tasks.artifacts import ENGINES_KEY
+from tasks.shards import read_rows
+
+
+def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tmp_path):
+    killed: list[str] = []
+
+    def kill_during_iteration_1():
+        wait_until(lambda: run_dirs(tmp_path), 120, "the run directory")
+        (run_dir,) = run_dirs(tmp_path)
+        wait_until(lambda: list(run_dir.glob("iter-001/shard-*")), 300, "iteration 1")
+        killed.append(kill_engine(run_dir.name, 1))
+
+    killer = threading.Thread(target=kill_during_iteration_1, daemon=True)
+    killer.start()
+    params = on_policy_run(
+        tiny_model,
+        tmp_path,
+        iterations=2,
+        spare_engines=1,
+        shard_size=1,
+        shards_per_engine=1,
+        max_len=256,
+        max_tokens=64,
+        ignore_eos=True,
+    )
+    state = rollout(params, return_state=True)
+    killer.join(timeout=5)
+    assert state.is_completed(), state.message
+    assert killed, "the engine was not killed during iteration 1"
+    summary = state.result()
+    run_dir = tmp_path / summary.run_id
+    prefix = killed[0].rsplit("-", 1)[0]
+    spare = f"{prefix}-2"  # the spare: named past the two engines
+
+    # Exactly once: every (prompt, sample) of each iteration, no duplicate.
+    for iteration in (0, 1):
+        rows = read_rows(run_dir / f"iter-{iteration:03d}")
+        assert len(rows_by_prompt(rows)) == len(rows) == 32 * 8
+    rows = read_rows(run_dir / "iter-001")
+    # The spare served part of iteration 1, with the weights of version 1 only.
+    assert {row["weight_version"] for row in rows} == {1}
+    assert spare in {row["engine"] for row in rows}
+
+    (engines,) = [
+        t for t in artifacts_of(state.state_details.flow_run_id)["table"] if t.key == ENGINES_KEY
+    ]
+    data = engines.data if isinstance(engines.data, list) else json.loads(engines.data)
+    table = {row["name"]: row for row in data}
+    assert killed[0] not in table  # its slot now shows the spare
+    assert table[spare]["replaced_by"] == "spare" and table[spare]["restarts"] == 1
+    assert 0 < table[spare]["replacement_s"] < 60
+    nothing_left(summary.run_id)  # engines, the spares (old and new), group, policy
