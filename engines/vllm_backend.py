@@ -18,20 +18,6 @@ import os
 import uuid
 from typing import Any
 
-try:
-    import vllm
-    from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.gc_utils import freeze_gc_heap
-    from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
-except ImportError as exc:  # pragma: no cover - depends on the machine
-    raise ImportError(
-        f"the vLLM backend needs vLLM ({exc}); install it with: pip install 'rolloutflow[vllm]', "
-        "or use backend='hf' (CPU)"
-    ) from exc
-
 import ray
 
 from engines.base import (
@@ -52,6 +38,39 @@ from engines.sampling import SamplingParams
 from engines.startup import OwnLog, actor_clock, vllm_log_phases
 
 logger = logging.getLogger(__name__)
+
+# vLLM's modules, imported by `import_vllm` in the engine actor only: the
+# driver creates the actor from this module without paying vLLM's import
+# (seconds of torch, transformers and vLLM itself, which sat on the start-up's
+# critical path before the actor even existed).
+vllm: Any = None
+pad_vocab_size: Any = None
+RequestOutputKind: Any = None
+UsageContext: Any = None
+freeze_gc_heap: Any = None
+AsyncLLM: Any = None
+VLLMEngineDeadError: Any = None
+
+
+def import_vllm() -> None:
+    global vllm, pad_vocab_size, RequestOutputKind, UsageContext, freeze_gc_heap, AsyncLLM
+    global VLLMEngineDeadError
+    try:
+        import vllm as vllm_module
+        from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size as pad
+        from vllm.sampling_params import RequestOutputKind as OutputKind
+        from vllm.usage.usage_lib import UsageContext as Usage
+        from vllm.utils.gc_utils import freeze_gc_heap as freeze
+        from vllm.v1.engine.async_llm import AsyncLLM as Engine
+        from vllm.v1.engine.exceptions import EngineDeadError as Dead
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError(
+            f"the vLLM backend needs vLLM ({exc}); install it with: "
+            "pip install 'rolloutflow[vllm]', or use backend='hf' (CPU)"
+        ) from exc
+    vllm, pad_vocab_size, RequestOutputKind, UsageContext = vllm_module, pad, OutputKind, Usage
+    freeze_gc_heap, AsyncLLM, VLLMEngineDeadError = freeze, Engine, Dead
+
 
 WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
 
@@ -93,6 +112,8 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, config: EngineConfig):
         clock = actor_clock()
+        import_vllm()
+        clock.mark("vLLM imports")
         log = OwnLog()  # vLLM's engine core logs its own start-up split there
         super().__init__(config)
         kwargs = dict(config.engine_kwargs)

@@ -215,7 +215,7 @@ def create_vllm_engines(
             f"destroy_engines(name_prefix={name_prefix!r}, namespace={namespace!r}) or pick "
             "another name_prefix"
         )
-    backend_class(backend)  # fails here, before placement, if the backend cannot import
+    backend_class(backend)  # fails here, before placement, if the backend module cannot import
     if backend == "hf" and tensor_parallel_size > 1:
         logger.warning(
             "backend 'hf' runs each engine in one process: tensor_parallel_size=%d reserves "

@@ -5,9 +5,8 @@ policy's current weights before it serves; the run completes exactly once."""
 from __future__ import annotations
 
 import json
-import threading
 
-from rollout_support import kill_engine, nothing_left, rows_by_prompt, run_dirs, wait_until
+from rollout_support import kill_during_iteration, nothing_left, rows_by_prompt
 from test_on_policy_flow import on_policy_run
 from test_rollout_flow import artifacts_of
 
@@ -18,15 +17,7 @@ from tasks.shards import read_rows
 
 def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tmp_path):
     killed: list[str] = []
-
-    def kill_during_iteration_1():
-        wait_until(lambda: run_dirs(tmp_path), 120, "the run directory")
-        (run_dir,) = run_dirs(tmp_path)
-        wait_until(lambda: list(run_dir.glob("iter-001/shard-*")), 300, "iteration 1")
-        killed.append(kill_engine(run_dir.name, 1))
-
-    killer = threading.Thread(target=kill_during_iteration_1, daemon=True)
-    killer.start()
+    killer = kill_during_iteration(tmp_path, 1, 1, killed)
     params = on_policy_run(
         tiny_model,
         tmp_path,

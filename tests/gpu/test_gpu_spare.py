@@ -29,16 +29,6 @@ def prefect_harness():
         yield
 
 
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def rows_of(run_dir: Path, iteration: int) -> list[dict]:
     return [
         json.loads(line)
@@ -64,7 +54,11 @@ def test_killed_engine_is_replaced_by_the_synced_spare(
     killed: list[str] = []
 
     def kill_during_iteration_1():
-        shard = wait_until(lambda: next(out.glob("*/iter-001/shard-*"), None), 400, "iter 1")
+        """Kill engine 0 once iteration 1 wrote its first shard."""
+        deadline = time.monotonic() + 400
+        while (shard := next(out.glob("*/iter-001/shard-*"), None)) is None:
+            assert time.monotonic() < deadline, "iteration 1 never began"
+            time.sleep(0.05)
         namespace = f"rolloutflow-{shard.parents[1].name}"
         names = sorted(
             a["name"]
