@@ -1,8 +1,18 @@
 """Rollout engines as Ray actors: vLLM on GPUs, a transformers backend on CPUs,
 behind one actor API (see `engines.base.RolloutEngine`)."""
 
-from engines.client import EngineCallResult, call_engines
-from engines.errors import (
+import time
+
+# Before any other import: an engine actor's start-up clock begins here
+# (`engines.startup`), so its imports count as its own start-up phase.
+_imports_started = time.time()
+
+from engines import startup  # noqa: E402
+
+startup.IMPORTS_STARTED = _imports_started
+
+from engines.client import EngineCallResult, call_engines  # noqa: E402
+from engines.errors import (  # noqa: E402
     BackendUnavailableError,
     EngineDeadError,
     EngineFailure,
@@ -12,9 +22,9 @@ from engines.errors import (
     PromptTooLongError,
     RequestError,
 )
-from engines.outputs import CompletionOutput, RequestOutput
-from engines.sampling import SamplingParams
-from engines.vllm_engine import (
+from engines.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from engines.sampling import SamplingParams  # noqa: E402
+from engines.vllm_engine import (  # noqa: E402
     EngineSet,
     batch_vllm_engine_call,
     create_vllm_engines,

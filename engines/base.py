@@ -17,6 +17,7 @@ from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, PromptTooLongError, RequestError
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
+from engines.startup import StartupReport
 from engines.weight_api import with_weight_methods
 from engines.weight_sync.session import WeightSync
 
@@ -168,6 +169,10 @@ class RolloutEngine(abc.ABC):
         """Returns the engine's name once it can serve (start-up is done in __init__)."""
         await self.health()
         return self.config.name
+
+    async def startup_report(self) -> StartupReport:
+        """Where this engine's start-up time went (set at the end of `__init__`)."""
+        return self.startup
 
     async def reset_prefix_cache(self) -> bool:
         return True

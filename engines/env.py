@@ -77,7 +77,12 @@ def actor_env_vars(backend: str, bundle_indices: list[int], gpu_fraction: float 
         "TOKENIZERS_PARALLELISM": "false",
         TORCH_THREADS: str(torch_threads()),
     }
-    if backend == "vllm":
+    if backend == "vllm" and len(bundle_indices) > 1:
+        # Only vLLM's Ray executor (TP>1) reads it. vLLM hashes every VLLM_*
+        # variable it knows into its torch.compile cache key
+        # (`compile_factors` in vllm/envs.py, v0.26.0), so set for TP=1 it
+        # gave each engine (each bundle) a compile cache of its own: cold for
+        # every engine of a set, and for a spare on another bundle.
         env[VLLM_RAY_BUNDLE_INDICES] = ",".join(map(str, bundle_indices))
         if gpu_fraction is not None:
             env[VLLM_RAY_PER_WORKER_GPUS] = str(gpu_fraction)

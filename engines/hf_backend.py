@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as transformers_logging
 
 from engines import env
 from engines.base import (
@@ -37,21 +34,49 @@ from engines.errors import (
     EngineTimeoutError,
     RequestError,
 )
-from engines.hf_sampling import find_stop, logprob_entry, processed_logits, sample_token
 from engines.outputs import CompletionOutput, LogprobsPosition, RequestOutput
 from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
+from engines.startup import actor_clock
 from engines.worker_extension import WeightSyncWorkerExtension
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+# torch, transformers and the sampling helpers (which import torch), imported
+# by `import_torch` in the engine actor only: the driver creates the actor
+# from this module without paying their import (seconds on a CPU box, on the
+# start-up's critical path before the actor even existed).
+torch: Any = None
+AutoModelForCausalLM: Any = None
+AutoTokenizer: Any = None
+transformers_logging: Any = None
+find_stop: Any = None
+logprob_entry: Any = None
+processed_logits: Any = None
+sample_token: Any = None
+
+
+def import_torch() -> None:
+    global torch, AutoModelForCausalLM, AutoTokenizer, transformers_logging
+    global find_stop, logprob_entry, processed_logits, sample_token
+    import torch as torch_module
+    import transformers
+    from transformers.utils import logging as logging_module
+
+    from engines import hf_sampling
+
+    torch, transformers_logging = torch_module, logging_module
+    AutoModelForCausalLM = transformers.AutoModelForCausalLM
+    AutoTokenizer = transformers.AutoTokenizer
+    find_stop, logprob_entry = hf_sampling.find_stop, hf_sampling.logprob_entry
+    processed_logits, sample_token = hf_sampling.processed_logits, hf_sampling.sample_token
+
+
+def torch_dtype(name: str) -> Any:
+    """A dtype name `check_hf_kwargs` accepted, as torch's; "auto" (the
+    checkpoint's) as is."""
+    aliases = {"float": "float32", "half": "float16"}
+    return "auto" if name == "auto" else getattr(torch, aliases.get(name, name))
 
 
 class HFWorker(WeightSyncWorkerExtension):
@@ -100,6 +125,9 @@ class HFEngine(RolloutEngine):
     backend = "hf"
 
     def __init__(self, config: EngineConfig):
+        clock = actor_clock()
+        import_torch()
+        clock.mark("torch and transformers imports")
         super().__init__(config)
         torch.set_num_threads(env.torch_threads())
         transformers_logging.disable_progress_bar()
@@ -119,12 +147,14 @@ class HFEngine(RolloutEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(
             config.pretrain, trust_remote_code=trust_remote_code
         )
+        clock.mark("tokenizer")
         model = AutoModelForCausalLM.from_pretrained(
             config.pretrain,
-            dtype=DTYPES.get(dtype, "auto"),
+            dtype=torch_dtype(dtype),
             trust_remote_code=trust_remote_code,
         )
         model.to(self.device).eval()
+        clock.mark("model load")
         self.worker = HFWorker(model, self.device)
         # transformers 5.x renamed `past_key_values` to `cache` (the old name
         # warns, and goes in 5.40); older releases only know the old name.
@@ -161,8 +191,15 @@ class HFEngine(RolloutEngine):
         self._model_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
         self._thread.start()
+        clock.mark("generation thread")
+        self.startup = clock.report(config.name, self.backend)
         logger.info(
-            "engine %s: %s on %s, seed %d", config.name, config.pretrain, self.device, config.seed
+            "engine %s: %s on %s, seed %d, up in %.1fs",
+            config.name,
+            config.pretrain,
+            self.device,
+            config.seed,
+            self.startup.seconds,
         )
 
     def _eos_ids(self, model: torch.nn.Module) -> list[int]:

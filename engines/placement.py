@@ -30,17 +30,19 @@ COLOCATED_SHARE = 0.2
 
 @dataclass
 class EnginePlacement:
-    """Where each engine goes: `bundles[i]` are engine i's bundle indices."""
+    """Where each engine goes: `bundles[i]` are engine i's bundle indices
+    (spares' bundles follow the engines')."""
 
     placement_group: PlacementGroup
     bundles: list[list[int]]
     uses_gpu: bool
     owns_group: bool  # False for a caller's shared_pg: we never remove it
 
-    def strategy(self, engine: int) -> PlacementGroupSchedulingStrategy:
+    def strategy(self, bundles: list[int]) -> PlacementGroupSchedulingStrategy:
+        """Where an engine on `bundles` (one of `self.bundles`) goes."""
         return PlacementGroupSchedulingStrategy(
             placement_group=self.placement_group,
-            placement_group_bundle_index=self.bundles[engine][0],
+            placement_group_bundle_index=bundles[0],
             # vLLM's Ray executor starts its TP workers as child tasks of the
             # engine actor: they must land in the same placement group.
             placement_group_capture_child_tasks=True,

@@ -111,7 +111,10 @@ def resolve_engine_kwargs(
         # As OpenRLHF: the sampled token's logprob only.
         kwargs["logprobs_mode"] = openrlhf.logprobs_mode
         kwargs.setdefault("max_logprobs", 1)
-    unknown = sorted(set(kwargs) - vllm_engine_fields()) if vllm_engine_fields() else []
+    # Only with arguments to check: the field list imports vLLM's arg_utils,
+    # most of vLLM, in this (driver) process.
+    fields = vllm_engine_fields() if kwargs else frozenset()
+    unknown = sorted(set(kwargs) - fields) if fields else []
     if unknown:
         raise EngineSpecError(
             f"unknown engine arguments {unknown}: vLLM's AsyncEngineArgs has no such field"

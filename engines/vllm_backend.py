@@ -18,22 +18,7 @@ import os
 import uuid
 from typing import Any
 
-try:
-    import vllm
-    from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.gc_utils import freeze_gc_heap
-    from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
-except ImportError as exc:  # pragma: no cover - depends on the machine
-    raise ImportError(
-        f"the vLLM backend needs vLLM ({exc}); install it with: pip install 'rolloutflow[vllm]', "
-        "or use backend='hf' (CPU)"
-    ) from exc
-
 import ray
-from transformers import AutoTokenizer
 
 from engines.base import (
     SLEEP_TAGS,
@@ -50,8 +35,42 @@ from engines.errors import (
 )
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.sampling import SamplingParams
+from engines.startup import OwnLog, actor_clock, vllm_log_phases
 
 logger = logging.getLogger(__name__)
+
+# vLLM's modules, imported by `import_vllm` in the engine actor only: the
+# driver creates the actor from this module without paying vLLM's import
+# (seconds of torch, transformers and vLLM itself, which sat on the start-up's
+# critical path before the actor even existed).
+vllm: Any = None
+pad_vocab_size: Any = None
+RequestOutputKind: Any = None
+UsageContext: Any = None
+freeze_gc_heap: Any = None
+AsyncLLM: Any = None
+VLLMEngineDeadError: Any = None
+
+
+def import_vllm() -> None:
+    global vllm, pad_vocab_size, RequestOutputKind, UsageContext, freeze_gc_heap, AsyncLLM
+    global VLLMEngineDeadError
+    try:
+        import vllm as vllm_module
+        from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size as pad
+        from vllm.sampling_params import RequestOutputKind as OutputKind
+        from vllm.usage.usage_lib import UsageContext as Usage
+        from vllm.utils.gc_utils import freeze_gc_heap as freeze
+        from vllm.v1.engine.async_llm import AsyncLLM as Engine
+        from vllm.v1.engine.exceptions import EngineDeadError as Dead
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError(
+            f"the vLLM backend needs vLLM ({exc}); install it with: "
+            "pip install 'rolloutflow[vllm]', or use backend='hf' (CPU)"
+        ) from exc
+    vllm, pad_vocab_size, RequestOutputKind, UsageContext = vllm_module, pad, OutputKind, Usage
+    freeze_gc_heap, AsyncLLM, VLLMEngineDeadError = freeze, Engine, Dead
+
 
 WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
 
@@ -92,12 +111,13 @@ class VLLMEngine(RolloutEngine):
     backend = "vllm"
 
     def __init__(self, config: EngineConfig):
+        clock = actor_clock()
+        import_vllm()
+        clock.mark("vLLM imports")
+        log = OwnLog()  # vLLM's engine core logs its own start-up split there
         super().__init__(config)
         kwargs = dict(config.engine_kwargs)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            config.pretrain, trust_remote_code=bool(kwargs.get("trust_remote_code", False))
-        )
         # One GPU: the worker lives in the engine-core process ("uni"). More:
         # vLLM's Ray executor places one worker actor per bundle (the bundles
         # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).
@@ -124,7 +144,11 @@ class VLLMEngine(RolloutEngine):
         # batched tokens; ENGINE_CONTEXT gets 128 and 2048; figures in
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
+        clock.mark("engine arguments")
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
+        # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
+        self.tokenizer = self.engine.get_tokenizer()
         vocab = self.engine.model_config.get_vocab_size()
         warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, pad_vocab_size(vocab))
         # This actor is the engine's front end, as vLLM's API server process
@@ -140,6 +164,8 @@ class VLLMEngine(RolloutEngine):
             config.tensor_parallel_size,
             kwargs["distributed_executor_backend"],
         )
+        clock.mark("after the engine")
+        self.startup = clock.report(config.name, self.backend, vllm_log_phases(log.read()))
 
     # --- generation -------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

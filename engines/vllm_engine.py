@@ -13,13 +13,14 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from engines import env, naming, spec
-from engines.client import call_engines, raise_first_error
+from engines.client import call_engines, get, raise_first_error
 from engines.config import EngineConfig
 from engines.errors import (
     BackendUnavailableError,
@@ -38,9 +39,22 @@ from engines.placement import (
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Spare:
+    """A warm spare engine: started on bundles reserved for it and put to
+    sleep once up; `asleep` is the ref of that sleep call (it completes when
+    the spare is ready and asleep, or raises if it failed to start)."""
+
+    handle: Any
+    config: EngineConfig
+    asleep: Any
+    started_at: float
+
+
 class EngineSet(list):
     """The engine handles (a plain list to callers), plus what it takes to find
-    and clean them up: names, namespace and placement group."""
+    and clean them up: names, namespace and placement group; and the warm
+    spares, outside the list."""
 
     def __init__(
         self,
@@ -59,6 +73,13 @@ class EngineSet(list):
         self.namespace = namespace
         self.backend = backend
         self.placement = placement
+        # What spares are made from: the first engine's config as created
+        # (engine i samples with seed `template.seed + i`).
+        self.template = configs[0] if configs else None
+        self.spares: list[Spare] = []
+        # The next actor name index: spares and their successors are named
+        # `<prefix>-<i>` past the engines, so sweeps by name find them too.
+        self.next_index = len(handles)
 
 
 def resolve_backend(backend: str) -> str:
@@ -130,6 +151,7 @@ def create_vllm_engines(
     agent_func_path: str | None = None,
     remote_rm_url: Any = None,
     max_images_per_prompt: int = 0,
+    spare_engines: int = 0,
     **engine_kwargs: Any,
 ) -> EngineSet:
     """Start `num_engines` rollout engines as named Ray actors; engine i is named
@@ -150,6 +172,10 @@ def create_vllm_engines(
     `gpu_memory_utilization=None` is vLLM's default. `agent_func_path`,
     `remote_rm_url` and `max_images_per_prompt` are refused. Every check runs
     here, before anything is created (`EngineSpecError`).
+
+    `spare_engines` (ours): that many more engines on bundles of the same
+    placement group, put to sleep once up (`start_spare`); `swap_in_spare`
+    puts one in a dead engine's place, awake, in seconds.
     """
     openrlhf = spec.OpenRLHFKeywords(
         max_model_len=max_model_len,
@@ -165,9 +191,21 @@ def create_vllm_engines(
     spec.check_spec(
         num_engines, pretrain, max_len, gpu_memory_utilization, tensor_parallel_size, backend
     )
+    if isinstance(spare_engines, bool) or not isinstance(spare_engines, int) or spare_engines < 0:
+        raise EngineSpecError(f"spare_engines must be an integer >= 0, got {spare_engines!r}")
     ensure_ray()
     backend = resolve_backend(backend)
     engine_kwargs = spec.resolve_engine_kwargs(engine_kwargs, openrlhf, backend)
+    if spare_engines and backend == "vllm":
+        # A spare sleeps, so it needs sleep mode; every engine of the set gets
+        # it too: vLLM hashes it into the torch.compile cache key, and one key
+        # lets the set, its spares and their successors share one warm cache.
+        if engine_kwargs.get("enable_sleep_mode") is False:
+            raise EngineSpecError(
+                "spare_engines needs enable_sleep_mode (spares sleep until needed); "
+                "leave it unset or True"
+            )
+        engine_kwargs["enable_sleep_mode"] = True
     namespace = namespace or ray.get_runtime_context().namespace
     name_prefix = name_prefix or naming.unique_prefix()
     taken = existing_engine_names(name_prefix, namespace)
@@ -177,7 +215,7 @@ def create_vllm_engines(
             f"destroy_engines(name_prefix={name_prefix!r}, namespace={namespace!r}) or pick "
             "another name_prefix"
         )
-    backend_class(backend)  # fails here, before placement, if the backend cannot import
+    backend_class(backend)  # fails here, before placement, if the backend module cannot import
     if backend == "hf" and tensor_parallel_size > 1:
         logger.warning(
             "backend 'hf' runs each engine in one process: tensor_parallel_size=%d reserves "
@@ -187,13 +225,13 @@ def create_vllm_engines(
     if shared_pg is not None:
         placement = use_shared_group(
             shared_pg,
-            num_engines=num_engines,
+            num_engines=num_engines + spare_engines,
             tensor_parallel_size=tensor_parallel_size,
             timeout_s=env.ready_timeout_s(),
         )
     else:
         placement = place_engines(
-            num_engines=num_engines,
+            num_engines=num_engines + spare_engines,
             tensor_parallel_size=tensor_parallel_size,
             uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
             name_prefix=name_prefix,
@@ -216,23 +254,31 @@ def create_vllm_engines(
                 full_determinism=full_determinism,
                 engine_kwargs=engine_kwargs,
             )
-            handles.append(start_engine(backend, config, placement, i, namespace))
+            handles.append(start_engine(backend, config, placement, namespace))
             configs.append(config)
+        engines = EngineSet(
+            handles,
+            configs=configs,
+            name_prefix=name_prefix,
+            namespace=namespace,
+            backend=backend,
+            placement=placement,
+        )
+        for k in range(spare_engines):
+            start_spare(engines, placement.bundles[num_engines + k])
     except BaseException:
         for handle in handles:
             ray.kill(handle, no_restart=True)
         if placement.owns_group:
             remove_placement_group(placement.placement_group)
         raise
-    names = [config.name for config in configs]
-    logger.info("started %d %s engines: %s (namespace %r)", num_engines, backend, names, namespace)
-    engines = EngineSet(
-        handles,
-        configs=configs,
-        name_prefix=name_prefix,
-        namespace=namespace,
-        backend=backend,
-        placement=placement,
+    logger.info(
+        "started %d %s engines: %s (namespace %r)%s",
+        num_engines,
+        backend,
+        engines.names,
+        namespace,
+        f", and spares {[spare.config.name for spare in engines.spares]}" if engines.spares else "",
     )
     if vllm_enable_sleep:
         # As OpenRLHF's create_vllm_engines: engines start asleep, so the
@@ -246,9 +292,9 @@ def create_vllm_engines(
 
 
 def start_engine(
-    backend: str, config: EngineConfig, placement: EnginePlacement, index: int, namespace: str
+    backend: str, config: EngineConfig, placement: EnginePlacement, namespace: str
 ) -> Any:
-    """Start engine `index` as a named actor on its bundles."""
+    """Start an engine as a named actor on its bundles (`config.bundle_indices`)."""
     tp = config.tensor_parallel_size
     return (
         ray.remote(backend_class(backend))
@@ -256,12 +302,72 @@ def start_engine(
             name=config.name,
             namespace=namespace,
             max_restarts=0,
-            scheduling_strategy=placement.strategy(index),
-            runtime_env={"env_vars": actor_env(backend, placement, index, config)},
+            scheduling_strategy=placement.strategy(config.bundle_indices),
+            runtime_env={"env_vars": actor_env(backend, placement, config)},
             **actor_resources(backend, placement, tp),
         )
         .remote(config)
     )
+
+
+def start_spare(engines: EngineSet, bundles: list[int]) -> Spare:
+    """Start a spare on `bundles` (named past the engines) and ask it to sleep
+    once up; it joins `engines.spares`. Sleep level 1 moves a vLLM spare's
+    weights to host memory and drops its KV cache (the set is created in
+    sleep mode when it has spares)."""
+    template = engines.template
+    if template is None:
+        raise EngineSpecError("a spare needs an engine set with at least one engine")
+    index = engines.next_index
+    config = template.model_copy(
+        update={
+            "name": naming.engine_name(engines.name_prefix, index),
+            "seed": template.seed + index,
+            "bundle_indices": list(bundles),
+        }
+    )
+    handle = start_engine(engines.backend, config, engines.placement, engines.namespace)
+    engines.next_index += 1
+    # Runs once __init__ is done, i.e. once the spare is up.
+    spare = Spare(handle, config, handle.sleep.remote(1), time.monotonic())
+    engines.spares.append(spare)
+    logger.info("started spare %s on bundles %s", config.name, bundles)
+    return spare
+
+
+def swap_in_spare(engines: EngineSet, index: int, timeout_s: float) -> Spare | None:
+    """Put a spare in place of engine `index` (dead or alive): wait until the
+    spare is up, wake it, make it `engines[index]`; kill the old engine and
+    start a new spare on its bundles (in the background: not waited for).
+    Returns the spare that took over, or None when there was none (or none
+    started: a failed spare is dropped, and the next one tried).
+
+    The caller syncs weights into the woken engine before it gets work."""
+    while engines.spares:
+        spare = engines.spares.pop(0)
+        try:
+            get(spare.asleep, timeout_s, spare.config.name)
+            get(spare.handle.wake_up.remote(), timeout_s, spare.config.name)
+        except Exception as exc:  # noqa: BLE001 - any failure: drop it, try the next
+            logger.warning("spare %s cannot take over: %s", spare.config.name, exc)
+            _kill(spare.handle)
+            continue
+        old, old_config = engines[index], engines.configs[index]
+        _kill(old)
+        engines[index] = spare.handle
+        engines.configs[index] = spare.config
+        engines.names[index] = spare.config.name
+        start_spare(engines, old_config.bundle_indices)
+        logger.info("spare %s took the place of %s", spare.config.name, old_config.name)
+        return spare
+    return None
+
+
+def _kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except ValueError:  # gone already
+        pass
 
 
 def replace_engine(engines: EngineSet, index: int, timeout_s: float = 30.0) -> Any:
@@ -280,7 +386,7 @@ def replace_engine(engines: EngineSet, index: int, timeout_s: float = 30.0) -> A
             raise EngineTimeoutError(f"{name} did not go away within {timeout_s:g}s", engine=name)
         time.sleep(0.05)
     handle = start_engine(
-        engines.backend, engines.configs[index], engines.placement, index, engines.namespace
+        engines.backend, engines.configs[index], engines.placement, engines.namespace
     )
     engines[index] = handle
     logger.info("replaced engine %s (bundles %s)", name, engines.configs[index].bundle_indices)
@@ -297,13 +403,11 @@ def actor_resources(backend: str, placement: EnginePlacement, tp: int) -> dict[s
     return {"num_cpus": share, "num_gpus": gpus}
 
 
-def actor_env(
-    backend: str, placement: EnginePlacement, index: int, config: EngineConfig
-) -> dict[str, str]:
+def actor_env(backend: str, placement: EnginePlacement, config: EngineConfig) -> dict[str, str]:
     fraction = None if placement.owns_group else COLOCATED_SHARE
     variables = env.actor_env_vars(
         backend,
-        placement.bundles[index],
+        config.bundle_indices,
         fraction if config.tensor_parallel_size > 1 else None,
     )
     if config.full_determinism and backend == "vllm":
@@ -331,6 +435,8 @@ def destroy_engines(
     namespace = namespace or getattr(engines, "namespace", None)
     namespace = namespace or ray.get_runtime_context().namespace
     handles = {handle._actor_id: handle for handle in engines or []}
+    for spare in getattr(engines, "spares", []):
+        handles[spare.handle._actor_id] = spare.handle
     if name_prefix:
         for name in existing_engine_names(name_prefix, namespace):
             try:

@@ -169,6 +169,14 @@ class RolloutParams(BaseModel):
         le=4096,
         description="Logical CPUs of a local Ray. Empty: enough for the engines.",
     )
+    spare_engines: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Warm spares: engines started with the others, on bundles reserved for "
+        "them, then put to sleep. A spare takes a dead engine's place in seconds (woken and "
+        "synced to the current weights first) instead of a cold start.",
+    )
     engine_retries: int = Field(
         2,
         ge=0,

@@ -105,7 +105,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         address=params.address,
         local_num_cpus=params.local_num_cpus,
         backend=params.backend,
-        num_engines=params.num_engines,
+        num_engines=params.num_engines + params.spare_engines,
         tensor_parallel_size=params.tensor_parallel_size,
         with_policy=on_policy,
         runtime_env=params.runtime_env,
@@ -129,6 +129,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             gpu_memory_utilization=params.gpu_memory_utilization,
             seed=params.seed,
             engine_kwargs=params.engine_kwargs,
+            spare_engines=params.spare_engines,
         )
         wait_until_ready.with_options(retries=params.engine_retries)(pool, params.ready_timeout_s)
         if on_policy:

@@ -16,7 +16,9 @@ def publish_engine_table(pool: EnginePool) -> None:
     create_table_artifact(
         key=ENGINES_KEY,
         table=[stats.as_row() for stats in pool.stats],
-        description="Per engine: prompts, tokens, tokens/s, failures, restarts, start-up time.",
+        description="Per engine: prompts, tokens, tokens/s, failures, restarts, start-up "
+        "time, and the last replacement (a warm spare or a new engine) with the seconds it "
+        "took to serve again.",
     )
 
 

@@ -49,8 +49,10 @@ def create_engines(
     gpu_memory_utilization: float,
     seed: int,
     engine_kwargs: dict | None = None,
+    spare_engines: int = 0,
 ) -> EnginePool:
-    """Start the engines (returns at once; `wait_until_ready` waits for them)."""
+    """Start the engines, and `spare_engines` warm spares (returns at once;
+    `wait_until_ready` waits for them)."""
     engines = create_vllm_engines(
         num_engines,
         model,
@@ -61,6 +63,7 @@ def create_engines(
         backend=cluster.backend,
         name_prefix=scope.name_prefix,
         namespace=scope.namespace,
+        spare_engines=spare_engines,
         **(engine_kwargs or {}),
     )
     get_run_logger().info("starting %s in namespace %s", engines.names, engines.namespace)
@@ -108,10 +111,15 @@ def wait_ready(pool: EnginePool, timeout_s: float) -> None:
 def wait_until_ready(pool: EnginePool, timeout_s: float) -> dict[str, float | None]:
     """Readiness health check of every engine; returns start-up seconds per engine."""
     logger = get_run_logger()
-    pool.replace_failed(logger)
+    replaced = pool.replace_failed(logger, timeout_s)
     wait_ready(pool, timeout_s)
+    pool.mark_serving(replaced)
     startup = {s.name: s.startup_s for s in pool.stats}
     logger.info("engines ready; start-up seconds: %s", startup)
+    if pool.engines.spares:
+        # Started with the engines, so this costs little more than their start.
+        pool.wait_spares(logger, timeout_s)
+        logger.info("spares asleep: %s", [s.config.name for s in pool.engines.spares])
     return startup
 
 

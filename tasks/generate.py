@@ -82,13 +82,15 @@ def generate_rollouts(
     `scorer`: a `RewardScorer` actor scoring each shard before it is written."""
     logger = get_run_logger()
     began = time.monotonic()
-    # A retry after an engine failure: the dead engine is replaced first (same
-    # name, config and bundle) and must be up before it gets work.
-    if pool.replace_failed(logger):
+    # A retry after an engine failure: the dead engine is replaced first (a
+    # warm spare woken, or a new engine on its bundle) and must be up, and
+    # serve the policy's current weights, before it gets work.
+    if replaced := pool.replace_failed(logger, plan.ready_timeout_s):
         wait_ready(pool, plan.ready_timeout_s)
         if policy is not None:
             report = get(policy.sync_weights.remote(list(pool.engines)), plan.ready_timeout_s)
             logger.info("replacement engine synced to weight version %d", report["version"])
+        pool.mark_serving(replaced)
 
     store = ShardStore(plan.directory, plan.output_format, prompts.columns)
     store.remove_partial_files()

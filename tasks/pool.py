@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 import ray
 
 from engines import EngineSet
-from engines.vllm_engine import replace_engine
+from engines.client import get
+from engines.vllm_engine import replace_engine, swap_in_spare
 
 
 @dataclass
@@ -31,6 +32,11 @@ class EngineStats:
     failures: int = 0
     restarts: int = 0
     last_error: str | None = None
+    #: The last replacement: "spare" (a warm spare woken) or "new" (a fresh
+    #: engine), and the seconds from the failure's handling to serving again
+    #: (up, and synced to the policy's weights in an on-policy run).
+    replaced_by: str | None = None
+    replacement_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,6 +54,8 @@ class EnginePool:
         self.ready: set[int] = set()
         # Engines that died or hung, by index: replaced before the next try.
         self.failed: dict[int, BaseException] = {}
+        # Replaced engines not yet serving, by index: when their replacement began.
+        self.replacing_since: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -66,19 +74,51 @@ class EnginePool:
         self.stats[index].failures += 1
         self.stats[index].last_error = f"{type(error).__name__}: {error}"[:300]
 
-    def replace_failed(self, logger: logging.Logger | logging.LoggerAdapter) -> list[int]:
-        """Start a new engine, with the same name, config and placement bundle,
-        in place of each failed one. Returns the replaced indices."""
+    def replace_failed(
+        self, logger: logging.Logger | logging.LoggerAdapter, timeout_s: float
+    ) -> list[int]:
+        """Put a warm spare (woken; a new spare starts on the failed engine's
+        bundles) or else a new engine (same name, config and bundles) in place
+        of each failed one. Returns the replaced indices; `mark_serving` ends
+        their replacement once they are up (and synced)."""
         replaced = sorted(self.failed)
         for index in replaced:
-            logger.warning(
-                "replacing engine %s after %s", self.name(index), self.stats[index].last_error
-            )
-            replace_engine(self.engines, index)
-            self.started_at[index] = time.monotonic()
-            self.stats[index].restarts += 1
+            stats = self.stats[index]
+            logger.warning("replacing engine %s after %s", self.name(index), stats.last_error)
+            self.replacing_since[index] = time.monotonic()
+            spare = swap_in_spare(self.engines, index, timeout_s)
+            if spare is None:
+                replace_engine(self.engines, index)
+                self.started_at[index] = time.monotonic()
+                stats.replaced_by = "new"
+            else:
+                logger.info("spare %s woke up in place of %s", spare.config.name, stats.name)
+                self.ready.add(index)
+                stats.replaced_by = "spare"
+            stats.name = self.name(index)
+            stats.restarts += 1
             del self.failed[index]
         return replaced
+
+    def mark_serving(self, indices: list[int]) -> None:
+        """The replaced engines at `indices` serve again: record how long it took."""
+        now = time.monotonic()
+        for index in indices:
+            since = self.replacing_since.pop(index, None)
+            if since is not None:
+                self.stats[index].replacement_s = round(now - since, 2)
+
+    def wait_spares(self, logger: logging.Logger | logging.LoggerAdapter, timeout_s: float) -> None:
+        """Wait until every spare is up and asleep; one that failed to start is
+        dropped with a warning (the run goes on without it)."""
+        deadline = time.monotonic() + timeout_s
+        for spare in list(self.engines.spares):
+            try:
+                get(spare.asleep, max(0.0, deadline - time.monotonic()), spare.config.name)
+            except Exception as exc:  # noqa: BLE001 - a spare is optional
+                logger.warning("spare %s did not come up, dropped: %s", spare.config.name, exc)
+                self.engines.spares.remove(spare)
+                ray.kill(spare.handle, no_restart=True)
 
     def placement_problem(self) -> str | None:
         """Why engines may not come up, if placement is the reason: after a

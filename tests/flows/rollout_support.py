@@ -3,6 +3,7 @@ left on the cluster (through Ray itself, not through the flow's bookkeeping)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -109,6 +110,24 @@ def kill_engine(run_id: str, index: int) -> str:
     assert names, f"no engine {index} of run {run_id} to kill"
     ray.kill(ray.get_actor(names[-1], namespace=namespace), no_restart=True)
     return names[-1]
+
+
+def kill_during_iteration(
+    output_dir: Path, iteration: int, index: int, killed: list[str]
+) -> threading.Thread:
+    """A started thread that kills engine `index` once the run under
+    `output_dir` wrote its first shard of `iteration`; appends the name."""
+
+    def kill() -> None:
+        wait_until(lambda: run_dirs(output_dir), 120, "the run directory")
+        (run_dir,) = run_dirs(output_dir)
+        shards = f"iter-{iteration:03d}/shard-*"
+        wait_until(lambda: list(run_dir.glob(shards)), 300, f"iteration {iteration}")
+        killed.append(kill_engine(run_dir.name, index))
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
 
 
 def rows_by_prompt(rows: list[dict]) -> dict[tuple[int, int], dict]:

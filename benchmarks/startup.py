@@ -1,0 +1,354 @@
+"""Engine start-up, ours against plain, side by side in one run (issue 16).
+
+    python3 benchmarks/startup.py [--backend vllm|hf] [--model DIR] [--enforce-eager]
+                                  [--states cold,warm] [--replace] [--json out.json]
+
+vllm (GPU): plain `vllm.LLM(...)` in a fresh process, timed from its launch,
+  against `create_vllm_engines(num_engines=1, ...)` until `ready()`, same
+  model and settings; each side has its own compile cache directory
+  (`VLLM_CACHE_ROOT`), empty for "cold", filled by the cold start for "warm".
+  Prints ours/plain per state, and the breakdown of both starts: ours from the
+  engine's `StartupReport` (Ray's part, imports, the vLLM engine) and vLLM's
+  own split read from its log lines, plus the first request.
+hf (CPU): the same with our transformers engine against a fresh process that
+  imports torch and transformers and loads the tokenizer and model.
+--replace: after the states, a set with one warm spare (when the cluster has
+  a second GPU; always on CPU): kill the engine, time the spare's swap to
+  its first answer, then kill again and time a new engine on the warm cache.
+  Each line is also compared with the cold start.
+
+Every child process has a deadline (--child-timeout); the JSON (--json) is
+written after each step, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: The GPU tests' model (tests/gpu/gpu_helpers.py): a random 0.28B Llama in bf16.
+MODEL_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16", init_std=0.02)
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+FIRST_TOKENS = 8
+RESULT = "STARTUP_RESULT "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    parser.add_argument("--model", help="model directory (default: built once, shared)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile/graphs")
+    parser.add_argument("--states", default="cold,warm", help="cold, warm or both (cold,warm)")
+    parser.add_argument("--replace", action="store_true", help="also time replacements")
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--cache-root", help="compile caches go under it (default: a temp dir)")
+    parser.add_argument("--child-timeout", type=float, default=420.0)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--child", choices=["plain", "ours", "replace"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    states = [s for s in args.states.split(",") if s]
+    if not states or set(states) - {"cold", "warm"}:
+        parser.error(f"--states takes cold, warm or cold,warm; got {args.states!r}")
+    args.state_list = states
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model!r} is not a model directory (no config.json)")
+    return args
+
+
+def vllm_settings(args) -> dict:
+    """The same engine arguments on both sides (prefix caching: vLLM's default
+    is on, ours off)."""
+    return dict(
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+# --- children (each in a fresh process) ------------------------------------------------
+def child_plain(args) -> dict:
+    launched = float(os.environ["STARTUP_LAUNCHED"])
+    began = time.time()
+    if args.backend == "vllm":
+        import vllm
+
+        imported = time.time()
+        llm = vllm.LLM(model=args.model, max_model_len=args.max_len, seed=0, **vllm_settings(args))
+        ready = time.time()
+        params = vllm.SamplingParams(max_tokens=FIRST_TOKENS, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+        first = time.time()
+        llm.llm_engine.engine_core.shutdown()
+        version = vllm.__version__
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        imported = time.time()
+        torch.set_num_threads(1)  # as our CPU engine actor (ROLLOUTFLOW_TORCH_THREADS)
+        AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        ready = time.time()
+        with torch.inference_mode():
+            model.generate(
+                torch.tensor([PROMPT]), max_new_tokens=FIRST_TOKENS, min_new_tokens=FIRST_TOKENS
+            )
+        first = time.time()
+        version = torch.__version__
+    return {
+        "ready_s": ready - launched,
+        "phases": {
+            "python start": began - launched,
+            "imports": imported - began,
+            "engine (LLM init)" if args.backend == "vllm" else "tokenizer + model load": ready
+            - imported,
+        },
+        "first_request_s": first - ready,
+        "version": version,
+    }
+
+
+def ray_init():
+    import ray
+
+    ray.init(
+        address="local", include_dashboard=False, namespace="startup-bench", log_to_driver=True
+    )
+    return ray
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = vllm_settings(args) if args.backend == "vllm" else {}
+    kwargs.pop("gpu_memory_utilization", None)
+    kwargs.pop("enable_prefix_caching", None)
+    return kwargs
+
+
+def create(args, **extra):
+    from engines import create_vllm_engines
+
+    return create_vllm_engines(
+        1,
+        args.model,
+        args.max_len,
+        args.gpu_memory_utilization if args.backend == "vllm" else None,
+        seed=0,
+        enable_prefix_caching=False,
+        backend=args.backend,
+        name_prefix=f"startup-{os.getpid()}",
+        **engine_kwargs(args),
+        **extra,
+    )
+
+
+def first_request(engine, timeout_s: float) -> None:
+    from engines import SamplingParams
+    from engines.client import get
+
+    get(
+        engine.generate.remote(PROMPT, SamplingParams(max_tokens=FIRST_TOKENS, ignore_eos=True)),
+        timeout_s,
+    )
+
+
+def child_ours(args) -> dict:
+    from engines import destroy_engines
+    from engines.client import get
+
+    started = time.time()
+    ray = ray_init()
+    ray_s = time.time() - started
+    begin = time.time()
+    engines = create(args)
+    created = time.time()
+    try:
+        get(engines[0].ready.remote(), args.child_timeout)
+        ready = time.time()
+        first_request(engines[0], 120)
+        first = time.time()
+        report = get(engines[0].startup_report.remote(), 60)
+    finally:
+        destroy_engines(engines)
+        ray.shutdown()
+    phases = {"placement group (create_vllm_engines)": created - begin}
+    phases["Ray worker start (to the actor's first import)"] = report.imports_started - created
+    phases.update({f"actor: {p.name}": p.seconds for p in report.phases})
+    phases["ready() answered"] = ready - report.ready_at
+    return {
+        "ready_s": ready - begin,
+        "ray_init_s": ray_s,
+        "phases": phases,
+        "vllm_phases": {p.name: p.seconds for p in report.vllm_phases},
+        "first_request_s": first - ready,
+    }
+
+
+def child_replace(args) -> dict:
+    """A set with a warm spare where the cluster has room for it: the spare's
+    swap, then a new engine on the (now warm) compile cache."""
+    from engines import destroy_engines
+    from engines.client import get
+    from engines.vllm_engine import replace_engine, swap_in_spare
+
+    ray = ray_init()
+    room = ray.cluster_resources().get("GPU" if args.backend == "vllm" else "CPU", 0)
+    spares = 1 if room >= 2 else 0
+    result: dict = {"spare_engines": spares}
+    begin = time.time()
+    engines = create(args, spare_engines=spares)
+    try:
+        get(engines[0].ready.remote(), args.child_timeout)
+        result["set_ready_s"] = time.time() - begin
+        first_request(engines[0], 120)
+        if spares:
+            get(engines.spares[0].asleep, args.child_timeout)
+            ray.kill(engines[0], no_restart=True)
+            began = time.time()
+            swap_in_spare(engines, 0, args.child_timeout)
+            first_request(engines[0], 120)
+            result["spare_to_first_answer_s"] = time.time() - began
+        ray.kill(engines[0], no_restart=True)
+        began = time.time()
+        replace_engine(engines, 0)
+        get(engines[0].ready.remote(), args.child_timeout)
+        first_request(engines[0], 120)
+        result["new_engine_to_first_answer_s"] = time.time() - began
+        report = get(engines[0].startup_report.remote(), 60)
+        result["new_engine_vllm_phases"] = {p.name: p.seconds for p in report.vllm_phases}
+    finally:
+        destroy_engines(engines)
+        ray.shutdown()
+    return result
+
+
+# --- the parent -----------------------------------------------------------------------------
+def run_child(args, kind: str, cache: Path, log: Path) -> dict:
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(cache), STARTUP_LAUNCHED=repr(time.time()))
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind, "--model", args.model]
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.run(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=args.child_timeout
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"{kind}: no result within {args.child_timeout:g}s (log {log})"}
+    text = log.read_text(errors="replace")
+    for line in text.splitlines():
+        if line.startswith(RESULT):
+            result = json.loads(line.removeprefix(RESULT))
+            if kind == "plain" and args.backend == "vllm":
+                from engines.startup import vllm_log_phases
+
+                result["vllm_phases"] = {p.name: p.seconds for p in vllm_log_phases(text)}
+            return result
+    tail = "\n".join(text.splitlines()[-15:])
+    return {"error": f"{kind} exited {proc.returncode} without a result (log {log}):\n{tail}"}
+
+
+def default_model(args, work: Path) -> str:
+    if args.backend == "hf":
+        from engines.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    from engines.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(work / "llama-0.28b", **MODEL_SHAPE))
+
+
+def print_side_by_side(state: str, plain: dict, ours: dict) -> None:
+    print(f"\n== {state} ==")
+    for side, r in (("plain", plain), ("ours", ours)):
+        if "error" in r:
+            print(f"{side}: {r['error']}")
+    if "error" in plain or "error" in ours:
+        return
+    ratio = ours["ready_s"] / plain["ready_s"]
+    with_first = (ours["ready_s"] + ours["first_request_s"]) / (
+        plain["ready_s"] + plain["first_request_s"]
+    )
+    print(f"{'':52}{'plain':>10}{'ours':>10}{'ours/plain':>12}")
+    print(
+        f"{'start to ready (s)':52}{plain['ready_s']:>10.1f}{ours['ready_s']:>10.1f}{ratio:>12.2f}"
+    )
+    print(
+        f"{'... and the first request answered (s)':52}"
+        f"{plain['ready_s'] + plain['first_request_s']:>10.1f}"
+        f"{ours['ready_s'] + ours['first_request_s']:>10.1f}{with_first:>12.2f}"
+    )
+    for side, r in (("plain", plain), ("ours", ours)):
+        print(f"-- {side} breakdown (s)")
+        for name, seconds in r["phases"].items():
+            print(f"   {name:62}{seconds:>8.2f}")
+        for name, seconds in r.get("vllm_phases", {}).items():
+            print(f"     vLLM: {name:56}{seconds:>8.2f}")
+        print(f"   {'first request':62}{r['first_request_s']:>8.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        runner = {"plain": child_plain, "ours": child_ours, "replace": child_replace}
+        print(RESULT + json.dumps(runner[args.child](args)), flush=True)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
+    args.model = args.model or default_model(args, work)
+    cache_root = Path(args.cache_root or work / "cache")
+    results: dict = {
+        "backend": args.backend,
+        "model": args.model,
+        "enforce_eager": args.enforce_eager,
+        "max_len": args.max_len,
+        "states": {},
+    }
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2))
+
+    print(f"model {args.model}; compile caches and logs under {work}", flush=True)
+    for state in args.state_list:
+        pair = {}
+        for side in ("plain", "ours"):
+            cache = cache_root / side
+            if state == "cold" and cache.exists():
+                raise SystemExit(f"{cache} exists: a cold start needs an empty cache root")
+            cache.mkdir(parents=True, exist_ok=True)
+            log = work / f"{state}-{side}.log"
+            print(f"{state}: {side} ...", flush=True)
+            pair[side] = run_child(args, side, cache, log)
+            results["states"][state] = dict(pair)
+            save()
+        print_side_by_side(state, pair["plain"], pair["ours"])
+        if "error" not in pair["plain"] and "error" not in pair["ours"]:
+            results["states"][state]["ratio"] = pair["ours"]["ready_s"] / pair["plain"]["ready_s"]
+        save()
+    if args.replace:
+        print("replacement ...", flush=True)
+        replaced = run_child(args, "replace", cache_root / "ours", work / "replace.log")
+        results["replace"] = replaced
+        save()
+        print(f"\n== replacement ==\n{json.dumps(replaced, indent=2)}")
+        cold = results["states"].get("cold", {}).get("ours", {}).get("ready_s")
+        for key in ("spare_to_first_answer_s", "new_engine_to_first_answer_s"):
+            if cold and key in replaced:
+                print(f"{key}: {replaced[key]:.1f}s = {replaced[key] / cold:.2f} x our cold start")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Start-up timing of engines (engines/startup.py): the phases an engine
+actor reports, vLLM's split read from its log lines, and the compile-cache key
+engines of one set share."""
+
+from __future__ import annotations
+
+import ray
+
+from engines import create_vllm_engines, destroy_engines, env
+from engines.startup import Phase, StartupClock, StartupReport, vllm_log_phases
+
+# vLLM 0.26.0's lines as an engine core writes them (Ray's and vLLM's prefixes included).
+P = "(EngineCore pid=812) INFO 11-30 10:00:01"
+VLLM_LOG = f"""\
+{P} [default_loader.py:431] Loading weights took 0.42 seconds
+{P} [gpu_model_runner.py:5348] Model loading took 0.53 GiB memory and 1.250000 seconds
+{P} [backends.py:1156] Dynamo bytecode transform time: 5.10 s
+{P} [backends.py:293] Directly load the compiled graph(s) for compile range (1, 8192) \
+from the cache, took 1.2 s
+{P} [monitor.py:20] torch.compile took 7.31 s in total
+{P} [gpu_model_runner.py:6845] Graph capturing finished in 8 secs, took 0.31 GiB
+{P} [core.py:341] init engine (profile, create kv cache, warmup model) took 18.04 s \
+(compilation: 7.31 s)
+"""
+
+
+def test_vllm_log_phases_reads_each_line_once():
+    phases = {p.name: p.seconds for p in vllm_log_phases(VLLM_LOG)}
+    assert phases == {
+        "weight load": 0.42,
+        "model load (weights included)": 1.25,
+        "dynamo bytecode transform": 5.1,
+        "torch.compile (total)": 7.31,
+        "CUDA graph capture": 8.0,
+        "profile + KV cache + warm-up (compile and graphs included)": 18.04,
+        "compiled graphs loaded from the cache": 0.0,
+    }
+    assert vllm_log_phases("no vLLM here") == ()
+
+
+def test_clock_phases_add_up_to_the_start():
+    clock = StartupClock(began=100.0)
+    clock.last = 100.0
+    clock.mark("imports")
+    clock.mark("model load")
+    report = clock.report("e-0", "hf")
+    assert [p.name for p in report.phases] == ["imports", "model load"]
+    assert abs(sum(p.seconds for p in report.phases) - report.seconds) < 0.01
+
+
+def test_cpu_engine_reports_its_start_up(ray_local, tiny_model):
+    engines = create_vllm_engines(1, tiny_model, 128, name_prefix="test-startup", backend="hf")
+    try:
+        report = ray.get(engines[0].startup_report.remote(), timeout=120)
+        assert isinstance(report, StartupReport)
+        assert report.engine == "test-startup-0" and report.backend == "hf"
+        assert [p.name for p in report.phases] == [
+            "imports",
+            "torch and transformers imports",  # in the actor only, not in the driver
+            "tokenizer",
+            "model load",
+            "generation thread",
+        ]
+        assert all(isinstance(p, Phase) and p.seconds >= 0 for p in report.phases)
+        assert report.phases[1].seconds > 0
+        assert abs(sum(p.seconds for p in report.phases) - report.seconds) < 0.05
+        assert report.vllm_phases == ()
+    finally:
+        destroy_engines(engines)
+
+
+def test_tp1_engines_share_one_compile_cache_key():
+    """vLLM keys its torch.compile cache by every VLLM_* variable it knows:
+    engines of a set (and spares on other bundles) must not differ in one."""
+    first = env.actor_env_vars("vllm", [0], None)
+    other = env.actor_env_vars("vllm", [3], None)
+    assert first == other
+    assert env.VLLM_RAY_BUNDLE_INDICES not in first
+    # TP>1: vLLM's Ray executor needs its bundles.
+    assert env.actor_env_vars("vllm", [2, 3], None)[env.VLLM_RAY_BUNDLE_INDICES] == "2,3"

@@ -1,0 +1,127 @@
+"""A warm spare on GPUs (issue 16): an on-policy run with `spare_engines=1`
+(the engine on one GPU, its spare asleep on another, the policy on a third,
+NCCL sync after every step); the engine is killed during iteration 1, the
+spare is woken and synced to the policy's current weights before it serves,
+and the run completes exactly once. Needs three GPUs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from gpu_helpers import READY_TIMEOUT_S, wait_gpus_released
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = 32
+N = 8
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def rows_of(run_dir: Path, iteration: int) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted((run_dir / f"iter-{iteration:03d}").glob("shard-*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def test_killed_engine_is_replaced_by_the_synced_spare(
+    ray_gpu, gpu_model, gpu_count, gpu_baseline, prefect_harness, tmp_path
+):
+    if gpu_count < 3:
+        pytest.skip("engine, spare and policy take a GPU each: needs three GPUs")
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.params import RolloutParams
+    from flows.rollout import rollout
+    from tasks.artifacts import ENGINES_KEY
+
+    ray = ray_gpu
+    out = tmp_path / "out"
+    killed: list[str] = []
+
+    def kill_during_iteration_1():
+        """Kill engine 0 once iteration 1 wrote its first shard."""
+        deadline = time.monotonic() + 400
+        while (shard := next(out.glob("*/iter-001/shard-*"), None)) is None:
+            assert time.monotonic() < deadline, "iteration 1 never began"
+            time.sleep(0.05)
+        namespace = f"rolloutflow-{shard.parents[1].name}"
+        names = sorted(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace and a["name"].endswith("-0")
+        )
+        ray.kill(ray.get_actor(names[-1], namespace=namespace), no_restart=True)
+        killed.append(names[-1])
+
+    killer = threading.Thread(target=kill_during_iteration_1, daemon=True)
+    killer.start()
+    params = RolloutParams(
+        prompts_path=str(ROOT / "data" / "prompts.jsonl"),
+        model=gpu_model,
+        backend="vllm",
+        output_dir=str(out),
+        output_format="jsonl",
+        num_engines=1,
+        spare_engines=1,
+        max_len=1024,
+        gpu_memory_utilization=0.3,
+        engine_kwargs={"enforce_eager": True},
+        reward="training.rewards:target_chars_fraction",
+        learning_rate=0.001,
+        n=N,
+        max_tokens=512,
+        ignore_eos=True,  # long enough to be killed mid-iteration
+        shard_size=1,
+        shards_per_engine=4,
+        iterations=2,
+        ready_timeout_s=READY_TIMEOUT_S,
+    )
+    began = time.monotonic()
+    state = rollout(params, return_state=True)
+    killer.join(timeout=5)
+    assert state.is_completed(), state.message
+    assert killed, "the engine was not killed during iteration 1"
+    summary = state.result()
+    run_dir = Path(summary.output_dir)
+    spare = killed[0].rsplit("-", 1)[0] + "-1"
+
+    for iteration in (0, 1):  # exactly once: each (prompt, sample) one row
+        rows = rows_of(run_dir, iteration)
+        keys = {(row["prompt_index"], row["sample_index"]) for row in rows}
+        assert len(rows) == len(keys) == PROMPTS * N
+    rows = rows_of(run_dir, 1)
+    assert {row["weight_version"] for row in rows} == {1}
+    by_spare = [row for row in rows if row["engine"] == spare]
+    assert by_spare, "the spare served nothing"
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+            )
+        )
+    (table,) = [a for a in artifacts if a.key == ENGINES_KEY]
+    data = table.data if isinstance(table.data, list) else json.loads(table.data)
+    row = {r["name"]: r for r in data}[spare]
+    print(
+        f"\nspare {spare} served {len(by_spare)} rows of iteration 1; replacement "
+        f"{row['replacement_s']}s (woken + synced); run {time.monotonic() - began:.0f}s"
+    )
+    assert row["replaced_by"] == "spare" and row["restarts"] == 1
+    assert 0 < row["replacement_s"] < 30
+    wait_gpus_released(gpu_baseline)
