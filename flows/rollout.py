@@ -61,6 +61,8 @@ class RunSummary:
     #: attempt of the run are reused, not regenerated).
     generate_calls: int
     seconds: float
+    #: Of which the iterations (generate, train, sync), after start-up.
+    iterations_seconds: float
     iterations: list[IterationReport]
     #: On-policy runs: per iteration, the policy step and the sync after it.
     training: list[TrainingRow]
@@ -159,8 +161,10 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 namespace=scope.namespace,
             )
         ledger = Ledger(training, metrics, metrics_logger)
+        looped = time.monotonic()
         with RunProgress() as progress:
             run_iterations(params, run_dir, pool, prompts, progress, policy, scorer, ledger)
+        looped_s = time.monotonic() - looped
         reports = [ledger.reports[i] for i in sorted(ledger.reports)]
         curves = write_curves_png(metrics, run_dir / CURVES_FILE)
         summary = RunSummary(
@@ -170,6 +174,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             rows=sum(report.rows for report in reports),
             generate_calls=sum(stats.generate_calls for stats in pool.stats),
             seconds=round(time.monotonic() - began, 2),
+            iterations_seconds=round(looped_s, 2),
             iterations=reports,
             training=training,
             metrics=metrics,

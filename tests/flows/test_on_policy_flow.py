@@ -4,7 +4,10 @@ the labelled letter task as the README runs it."""
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 from rollout_support import (
     REPO,
@@ -69,16 +72,14 @@ def test_on_policy_flow_learns_and_serves_the_synced_weights(ray_local, tiny_mod
     nothing_left(summary.run_id)  # engines, placement group and the policy actor
 
 
-def run_killing_engine_1_in_iteration_1(params: RolloutParams, tmp_path, after_shards: int):
-    """Run the flow, killing engine 1 once `after_shards` shards of iteration
-    1 are written; the run's final state."""
+def run_killing_engine_1(params: RolloutParams, tmp_path, when: Callable[[Path], bool]):
+    """Run the flow, killing engine 1 once `when(run_dir)` holds; the run's
+    final state."""
 
     def kill_during_iteration_1():
         wait_until(lambda: run_dirs(tmp_path), 120, "the run directory")
         (run_dir,) = run_dirs(tmp_path)
-        wait_until(
-            lambda: len(list(run_dir.glob("iter-001/shard-*"))) >= after_shards, 300, "iteration 1"
-        )
+        wait_until(lambda: when(run_dir), 300, f"{when.__doc__} in {run_dir}")
         killed.append(kill_engine(run_dir.name, 1))
 
     killed: list[str] = []
@@ -105,7 +106,12 @@ def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tm
         max_tokens=64,
         ignore_eos=True,
     )
-    state = run_killing_engine_1_in_iteration_1(params, tmp_path, after_shards=1)
+
+    def iteration_1_begun(run_dir: Path) -> bool:
+        """a shard of iteration 1"""
+        return bool(list(run_dir.glob("iter-001/shard-*")))
+
+    state = run_killing_engine_1(params, tmp_path, iteration_1_begun)
     summary = state.result()
     run_dir = tmp_path / summary.run_id
     assert versions(run_dir, 0) == {0}
@@ -198,13 +204,24 @@ def test_in_flight_with_an_engine_killed_writes_every_rollout_once(ray_local, ti
         max_tokens=48,
         ignore_eos=True,
     )
-    state = run_killing_engine_1_in_iteration_1(params, tmp_path, after_shards=3)
+
+    def version_1_pushed_in_flight(run_dir: Path) -> bool:
+        """a row of iteration 1 begun on version 0 and finished on 1"""
+        return any(
+            json.loads(line)["weight_versions"] == [0, 1]
+            for shard in run_dir.glob("iter-001/shard-*.jsonl")
+            for line in shard.read_text().splitlines()
+        )
+
+    state = run_killing_engine_1(params, tmp_path, version_1_pushed_in_flight)
     summary = state.result()
     run_dir = tmp_path / summary.run_id
+    tables = artifacts_of(state.state_details.flow_run_id)["table"]
+    (engines,) = [t for t in tables if t.key == "rollout-engines"]
+    data = engines.data if isinstance(engines.data, list) else json.loads(engines.data)
+    assert sum(row["restarts"] for row in data) == 1  # replaced during iteration 1
     for i in range(2):
         assert len(rows_by_prompt(read_rows(run_dir / f"iter-{i:03d}"))) == 32 * 2
     assert staleness_of_rows(run_dir, 2) == {0: 0, 1: 1}
-    # Requests in flight when version 1 was pushed continued on it.
-    assert any(row["weight_versions"] == [0, 1] for row in read_rows(run_dir / "iter-001"))
     assert summary.training[-1].weight_version == 2
     nothing_left(summary.run_id)
