@@ -242,11 +242,19 @@ def startup_line(
 
 def print_results(summary) -> None:
     """What the user sees at the end of a run (kept in one place)."""
-    for step in summary.training:
+    for row in summary.training:
+        mismatch = "" if row.logprob_mismatch is None else f", mismatch {row.logprob_mismatch:.4f}"
+        synced = (
+            f"; synced v{row.weight_version} ({row.sync_bytes / 1e6:.1f} MB in "
+            f"{row.sync_seconds:.3f} s)"
+            if row.weight_version is not None
+            else ""
+        )
         print(
-            f"iteration {step['iteration']}: mean reward {step['mean_reward']:.3f}; "
-            f"weights synced to version {step['weight_version']} "
-            f"({step['sync_bytes'] / 1e6:.1f} MB in {step['sync_seconds']:.3f} s)"
+            f"iteration {row.iteration}: mean reward {row.mean_reward:.3f}; generate "
+            f"{row.generate_seconds:.1f} s, train {row.train_seconds:.1f} s; idle: engines "
+            f"{row.engine_idle_seconds:.1f} s, policy {row.policy_idle_seconds:.1f} s; "
+            f"staleness {row.staleness_max}{mismatch}{synced}"
         )
     print(f"\n{summary.rows} rollouts written to {summary.output_dir}")
     if summary.curves:

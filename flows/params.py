@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engines.sampling import SamplingParams
+from flows.schedule import Schedule
 
 
 class RolloutParams(BaseModel):
@@ -129,6 +130,21 @@ class RolloutParams(BaseModel):
         "scored (an evaluation run; no policy is started).",
     )
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="The policy's step size.")
+    schedule: Schedule = Field(
+        "sync",
+        description="How generation, training and weight sync interleave. 'sync': one after "
+        "the other (strictly on-policy). 'overlap': the engines generate iteration i+1 while "
+        "the policy trains on i; the sync runs when both are done. 'in_flight': new weights "
+        "are pushed as soon as the policy has them, into running requests (a row records "
+        "every version it was generated under).",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="overlap / in_flight: versions a row may lag the policy that trains on "
+        "it (at least 1). 'sync' is strictly on-policy (0).",
+    )
 
     # --- loop and output -----------------------------------------------------
     iterations: int = Field(
@@ -213,7 +229,22 @@ class RolloutParams(BaseModel):
                 f"max_tokens ({self.max_tokens}) must be below max_len ({self.max_len}): "
                 "the prompt needs room too"
             )
+        if self.schedule == "sync":
+            if "max_staleness" in self.model_fields_set and self.max_staleness != 0:
+                raise ValueError(
+                    f"max_staleness ({self.max_staleness}) needs schedule 'overlap' or "
+                    "'in_flight': 'sync' is strictly on-policy"
+                )
+        elif self.max_staleness < 1:
+            raise ValueError(
+                f"schedule {self.schedule!r} needs max_staleness >= 1, got {self.max_staleness}"
+            )
         return self
+
+    @property
+    def staleness_bound(self) -> int:
+        """Versions a row may lag the policy: 0 for 'sync'."""
+        return 0 if self.schedule == "sync" else self.max_staleness
 
     def sampling(self) -> SamplingParams:
         """Sampling parameters shared by every request (each gets its own seed).

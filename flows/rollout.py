@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 from prefect import flow, get_run_logger
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
+from engines.errors import EngineFailure
+from engines.weight_sync.errors import WeightSyncError
 from flows.hooks import sweep_engines
 from flows.params import RolloutParams
+from flows.schedule import Pipeline
 from tasks.artifacts import publish_engine_table, publish_summary, publish_training_table
 from tasks.cluster import provision_cluster
 from tasks.engines import create_engines, resolve_model, teardown, wait_until_ready
@@ -26,8 +31,14 @@ from tasks.generate import GenerationPlan, IterationReport, generate_rollouts
 from tasks.loggers import MetricsLogger, check_logger, open_logger
 from tasks.pool import EnginePool
 from tasks.progress import RunProgress
-from tasks.prompts import PromptFields, load_prompts
-from tasks.report import CURVES_FILE, IterationMetrics, curves_markdown, write_curves_png
+from tasks.prompts import PromptFields, Prompts, load_prompts
+from tasks.report import (
+    CURVES_FILE,
+    IterationMetrics,
+    TrainingRow,
+    curves_markdown,
+    write_curves_png,
+)
 from tasks.scope import RunScope
 from tasks.shards import prepare_run_dir, set_aside_iterations, write_atomically
 from tasks.sync_weights import init_weight_sync, sync_weights
@@ -35,6 +46,7 @@ from tasks.train import start_policy, train_on_rollouts
 from training.config import PolicyConfig
 from training.rewards import absolute as reward_path
 from training.rewards import load_reward, start_reward_scorer
+from training.trainer import StepReport
 
 SUMMARY_FILE = "summary.json"
 
@@ -49,9 +61,11 @@ class RunSummary:
     #: attempt of the run are reused, not regenerated).
     generate_calls: int
     seconds: float
+    #: Of which the iterations (generate, train, sync), after start-up.
+    iterations_seconds: float
     iterations: list[IterationReport]
     #: On-policy runs: per iteration, the policy step and the sync after it.
-    training: list[dict]
+    training: list[TrainingRow]
     #: Per iteration: what the curves show.
     metrics: list[IterationMetrics]
     #: The curves as a PNG (None when there is nothing to draw).
@@ -113,8 +127,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     pool: EnginePool | None = None
     policy = None
     scorer = None
-    reports: list[IterationReport] = []
-    training: list[dict] = []
+    training: list[TrainingRow] = []
     metrics: list[IterationMetrics] = []
     metrics_logger: MetricsLogger | None = None
     try:
@@ -148,22 +161,12 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 name=scope.reward_name,
                 namespace=scope.namespace,
             )
-        generate = generate_rollouts.with_options(retries=params.engine_retries)
+        ledger = Ledger(training, metrics, metrics_logger)
+        looped = time.monotonic()
         with RunProgress() as progress:
-            for iteration in range(params.iterations):
-                plan = generation_plan(params, run_dir, iteration)
-                bar = progress.iteration(iteration, len(prompts) * params.n)
-                report = generate(pool, prompts, plan, bar, policy, scorer)
-                reports.append(report)
-                step = synced = None
-                if policy is not None:
-                    # Iteration + 1 samples from the weights trained on this one.
-                    step = train_on_rollouts(policy, report.directory, iteration=iteration)
-                    synced = sync_weights(policy, list(pool.engines), iteration=iteration)
-                    training.append(training_row(step, synced, report))
-                metrics.append(IterationMetrics.of(report, step, synced))
-                if metrics_logger is not None:
-                    metrics_logger.log(metrics[-1])
+            run_iterations(params, run_dir, pool, prompts, progress, policy, scorer, ledger)
+        looped_s = time.monotonic() - looped
+        reports = [ledger.reports[i] for i in sorted(ledger.reports)]
         curves = write_curves_png(metrics, run_dir / CURVES_FILE)
         summary = RunSummary(
             run_id=scope.run_id,
@@ -172,6 +175,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             rows=sum(report.rows for report in reports),
             generate_calls=sum(stats.generate_calls for stats in pool.stats),
             seconds=round(time.monotonic() - began, 2),
+            iterations_seconds=round(looped_s, 2),
             iterations=reports,
             training=training,
             metrics=metrics,
@@ -195,11 +199,115 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 publish_training_table(training)
 
 
-def generation_plan(params: RolloutParams, run_dir: Path, iteration: int) -> GenerationPlan:
+@dataclass
+class Ledger:
+    """What the iterations produced, kept as they finish: a failed run still
+    publishes the rows of the iterations it completed."""
+
+    training: list[TrainingRow]
+    metrics: list[IterationMetrics]
+    metrics_logger: MetricsLogger | None = None
+    reports: dict[int, IterationReport] = field(default_factory=dict)
+    steps: dict[int, StepReport] = field(default_factory=dict)
+    #: Sync reports by the iteration whose step made the version they published.
+    syncs: dict[int, dict] = field(default_factory=dict)
+
+    def close_iterations(self, pipeline: Pipeline) -> None:
+        """Add the rows of every iteration now complete (generated, and on an
+        on-policy run trained and its version served), in order."""
+        while (i := len(self.metrics)) in self.reports:
+            report, step = self.reports[i], self.steps.get(i)
+            if pipeline.trains and (step is None or pipeline.served <= i):
+                return
+            synced = self.syncs.get(i)
+            if step is not None:
+                self.training.append(
+                    TrainingRow.of(
+                        report,
+                        step,
+                        synced,
+                        engine_idle_s=pipeline.engine_idle_s[i],
+                        policy_idle_s=pipeline.policy_idle_s[i],
+                    )
+                )
+            self.metrics.append(IterationMetrics.of(report, step, synced))
+            if self.metrics_logger is not None:
+                self.metrics_logger.log(self.metrics[-1])
+
+
+def run_iterations(
+    params: RolloutParams,
+    run_dir: Path,
+    pool: EnginePool,
+    prompts: Prompts,
+    progress: RunProgress,
+    policy: Any,
+    scorer: Any,
+    ledger: Ledger,
+) -> None:
+    """Generate (-> train -> sync) every iteration, as `params.schedule`
+    interleaves them (flows/schedule.py decides, this submits): Prefect task
+    futures on the flow's task runner, so the UI shows the tasks side by side."""
+    logger = get_run_logger()
+    pipeline = Pipeline(
+        params.iterations, params.schedule, params.staleness_bound, trains=policy is not None
+    )
+    generate = generate_rollouts.with_options(retries=params.engine_retries)
+    running: dict[PrefectFuture, tuple[str, int]] = {}
+    pipeline.start(time.monotonic())
+    while not pipeline.done:
+        now = time.monotonic()
+        if pipeline.should_sync():
+            pipeline.sync_started(now)
+            made_by = pipeline.trained - 1
+            future = sync_weights.submit(policy, list(pool.engines), iteration=made_by)
+            running[future] = ("sync", made_by)
+        if (i := pipeline.next_training()) is not None:
+            pipeline.training_started(i, now)
+            future = train_on_rollouts.submit(policy, ledger.reports[i].directory, iteration=i)
+            running[future] = ("train", i)
+        if (i := pipeline.next_generation()) is not None:
+            pipeline.generation_started(i, now)
+            plan = generation_plan(params, run_dir, i, on_policy=policy is not None)
+            bar = progress.iteration(i, len(prompts) * params.n)
+            running[generate.submit(pool, prompts, plan, bar, policy, scorer)] = ("generate", i)
+        future = next(as_completed(list(running)))
+        kind, i = running.pop(future)
+        now = time.monotonic()
+        if kind == "generate":
+            ledger.reports[i] = future.result()
+            pipeline.generation_done(now)
+        elif kind == "train":
+            ledger.steps[i] = step = future.result()
+            pipeline.training_done(step.version, now)
+        else:
+            try:
+                synced = future.result()
+            except (EngineFailure, WeightSyncError) as exc:
+                # An engine died under the sync: the running generation's
+                # retry replaces it and syncs it (and the others) to the
+                # policy's version; the next sync waits for that generation.
+                if not pipeline.sync_failed(now):
+                    raise
+                logger.warning("sync of iteration %d's version failed (%s); retried later", i, exc)
+            else:
+                pipeline.sync_done(synced["version"], now)
+                ledger.syncs[synced["version"] - 1] = synced
+        ledger.close_iterations(pipeline)
+
+
+def generation_plan(
+    params: RolloutParams, run_dir: Path, iteration: int, *, on_policy: bool = False
+) -> GenerationPlan:
+    sampling = params.sampling()
+    if on_policy and sampling.logprobs is None:
+        # The policy weighs each token by its own logprob over the engine's
+        # (truncated importance sampling) and reports their mismatch.
+        sampling = sampling.model_copy(update={"logprobs": 0})
     return GenerationPlan(
         run_dir=str(run_dir),
         iteration=iteration,
-        sampling=params.sampling(),
+        sampling=sampling,
         base_seed=params.seed,
         shard_size=params.shard_size,
         output_format=params.output_format,
@@ -224,22 +332,8 @@ def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConf
         seed=params.seed,
         device="cuda" if on_gpu else "cpu",
         sync_backend="nccl" if on_gpu else "gloo",
+        max_staleness=params.staleness_bound,
     )
-
-
-def training_row(step: dict, synced: dict, report: IterationReport) -> dict:
-    """One row of the run's training table."""
-    return {
-        "iteration": step["iteration"],
-        "mean_reward": round(step["mean_reward"], 4),
-        "reward_std": round(step["reward_std"], 4),
-        "samples": step["samples"],
-        "reward_seconds": report.reward_seconds,
-        "weight_version": synced["version"],
-        "sync_bytes": synced["bytes"],
-        "sync_seconds": round(synced["seconds"], 4),
-        "sync_gb_per_s": round(synced["gb_per_s"], 3),
-    }
 
 
 def manifest(params: RolloutParams, prompts, model: str) -> dict:

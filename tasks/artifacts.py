@@ -3,9 +3,12 @@ markdown summary (generation progress: tasks/progress.py)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.pool import EnginePool
+from tasks.report import TrainingRow
 
 ENGINES_KEY = "rollout-engines"
 SUMMARY_KEY = "rollout-summary"
@@ -26,10 +29,11 @@ def publish_summary(markdown: str) -> None:
     create_markdown_artifact(markdown, key=SUMMARY_KEY, description="Rollout run summary")
 
 
-def publish_training_table(rows: list[dict]) -> None:
+def publish_training_table(rows: list[TrainingRow]) -> None:
     create_table_artifact(
         key=TRAINING_KEY,
-        table=rows,
-        description="Per iteration: mean reward, policy step, and the weight sync that "
-        "followed (version, bytes, seconds, GB/s).",
+        table=[asdict(row) for row in rows],
+        description="Per iteration: mean reward; generate, train and sync seconds; idle "
+        "seconds of the engines and the policy; staleness of the rows (versions) and the "
+        "policy/engine logprob mismatch; the weight sync that published the step.",
     )

@@ -33,6 +33,9 @@ def arrow_schema(input_columns=None):
             ("top_logprobs", pa.list_(pa.list_(top_entry))),
             ("engine", pa.string()),
             ("weight_version", pa.int64()),
+            # Every version the request ran under (more than one: a sync
+            # landed while it was in flight).
+            ("weight_versions", pa.list_(pa.int64())),
             ("seed", pa.int64()),
             ("reward", pa.float64()),
             ("advantage", pa.float64()),
@@ -92,6 +95,7 @@ def rows_for(
                 "top_logprobs": top,
                 "engine": output.engine,
                 "weight_version": output.weight_version,
+                "weight_versions": list(output.weight_versions),
                 "seed": seed,
                 "reward": None,
                 "advantage": None,

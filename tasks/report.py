@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tasks.generate import IterationReport
+    from training.trainer import StepReport
 
 CURVES_FILE = "curves.png"
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -31,16 +32,20 @@ class IterationMetrics:
     reward_mean: float | None = None
     reward_std: float | None = None
     sync_seconds: float | None = None
+    #: Versions the rows lagged the policy that trained on them (the most).
+    staleness_max: int | None = None
+    #: Mean |policy - engine logprob| per token of the rows.
+    logprob_mismatch: float | None = None
 
     @classmethod
     def of(
         cls,
         report: IterationReport,
-        step: dict[str, Any] | None = None,
+        step: StepReport | None = None,
         synced: dict[str, Any] | None = None,
     ) -> IterationMetrics:
         """From the generate task's report and, on an on-policy run, the
-        policy step (`mean_reward`, `reward_std`) and the weight sync (`seconds`)."""
+        policy step and the weight sync (`seconds`) that published its version."""
         rows, tokens, seconds = report.generated_rows, report.generated_tokens, report.seconds
         return cls(
             iteration=report.iteration,
@@ -48,9 +53,11 @@ class IterationMetrics:
             generate_seconds=seconds,
             response_tokens=tokens / rows if rows else None,
             tokens_per_s=tokens / seconds if rows and seconds > 0 else None,
-            reward_mean=step["mean_reward"] if step else None,
-            reward_std=step["reward_std"] if step else None,
+            reward_mean=step.mean_reward if step else None,
+            reward_std=step.reward_std if step else None,
             sync_seconds=synced["seconds"] if synced else None,
+            staleness_max=step.staleness_max if step else None,
+            logprob_mismatch=step.logprob_mismatch if step else None,
         )
 
     def scalars(self) -> dict[str, float]:
@@ -60,6 +67,61 @@ class IterationMetrics:
             for f in fields(self)
             if f.name != "iteration" and (value := getattr(self, f.name)) is not None
         }
+
+
+@dataclass(frozen=True)
+class TrainingRow:
+    """One row of an on-policy run's training table (artifact, summary, CLI).
+    Idle seconds: before this iteration's generation, since the engines'
+    last one; before its training step, since the policy's last step or sync."""
+
+    iteration: int
+    mean_reward: float
+    reward_std: float
+    samples: int
+    generate_seconds: float
+    reward_seconds: float
+    train_seconds: float
+    engine_idle_seconds: float
+    policy_idle_seconds: float
+    staleness_max: int
+    logprob_mismatch: float | None
+    #: The sync that published this step's version (None: a later sync
+    #: published it with the next one).
+    sync_seconds: float | None
+    weight_version: int | None
+    sync_bytes: int | None
+    sync_gb_per_s: float | None
+
+    @classmethod
+    def of(
+        cls,
+        report: IterationReport,
+        step: StepReport,
+        synced: dict[str, Any] | None,
+        *,
+        engine_idle_s: float,
+        policy_idle_s: float,
+    ) -> TrainingRow:
+        return cls(
+            iteration=report.iteration,
+            mean_reward=round(step.mean_reward, 4),
+            reward_std=round(step.reward_std, 4),
+            samples=step.samples,
+            generate_seconds=report.seconds,
+            reward_seconds=report.reward_seconds,
+            train_seconds=round(step.seconds, 3),
+            engine_idle_seconds=round(engine_idle_s, 3),
+            policy_idle_seconds=round(policy_idle_s, 3),
+            staleness_max=step.staleness_max,
+            logprob_mismatch=(
+                None if step.logprob_mismatch is None else round(step.logprob_mismatch, 5)
+            ),
+            sync_seconds=round(synced["seconds"], 4) if synced else None,
+            weight_version=synced["version"] if synced else None,
+            sync_bytes=synced["bytes"] if synced else None,
+            sync_gb_per_s=round(synced["gb_per_s"], 3) if synced else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -75,6 +137,8 @@ CURVES = (
     Curve("response_tokens", "response length (tokens)"),
     Curve("tokens_per_s", "generation tokens/s"),
     Curve("sync_seconds", "weight sync (s)"),
+    Curve("staleness_max", "staleness (versions, max)"),
+    Curve("logprob_mismatch", "logprob mismatch (policy vs engine)"),
 )
 
 

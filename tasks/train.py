@@ -2,12 +2,11 @@
 step on an iteration's rollouts (whose rows carry their rewards).
 
 Handles pass between tasks unhashed and unpersisted (`NO_CACHE`,
-`persist_result=False`); results are plain metrics dicts for the run's table.
+`persist_result=False`); a step's result is the policy's `StepReport`.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -20,6 +19,7 @@ from tasks.shards import read_rows
 from training.config import PolicyConfig
 from training.policy import create_policy_actor
 from training.rollouts import groups_from_rows
+from training.trainer import StepReport
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
@@ -45,29 +45,31 @@ def start_policy(
     return policy
 
 
-@task(cache_policy=NO_CACHE, persist_result=False)
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="train-iter-{iteration}")
 def train_on_rollouts(
     policy: Any,
     rollout_dir: str,
     *,
     iteration: int,
     timeout_s: float = 600.0,
-) -> dict[str, Any]:
-    """One policy step on the scored rollouts in `rollout_dir`. Returns the
-    iteration's metrics."""
+) -> StepReport:
+    """One policy step on the scored rollouts in `rollout_dir`."""
     logger = get_run_logger()
     rows = read_rows(rollout_dir)
     if not rows:
         raise ValueError(f"no rollouts in {rollout_dir}")
     groups = groups_from_rows(rows)
-    metrics = get(policy.train_step.remote([g.model_dump() for g in groups]), timeout_s, "policy")
-    rewards = [r for group in groups for r in group.rewards]
-    result = {"iteration": iteration, **metrics, "reward_std": statistics.pstdev(rewards)}
-    logger.info(
-        "iteration %d: mean reward %.4f over %d samples; policy now at version %d",
-        iteration,
-        result["mean_reward"],
-        result["samples"],
-        result["version"],
+    step = get(policy.train_step.remote([g.model_dump() for g in groups]), timeout_s, "policy")
+    mismatch = (
+        "" if step.logprob_mismatch is None else f", logprob mismatch {step.logprob_mismatch:.4f}"
     )
-    return result
+    logger.info(
+        "iteration %d: mean reward %.4f over %d samples (staleness <= %d%s); policy at v%d",
+        iteration,
+        step.mean_reward,
+        step.samples,
+        step.staleness_max,
+        mismatch,
+        step.version,
+    )
+    return step

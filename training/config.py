@@ -19,6 +19,11 @@ class PolicyConfig(BaseModel):
     max_staleness: int = Field(
         0, ge=0, description="Versions a rollout may lag the policy (0: strictly on-policy)."
     )
+    tis_cap: float = Field(
+        2.0,
+        ge=1.0,
+        description="Cap of the truncated importance weight pi_policy / pi_behaviour per token.",
+    )
     torch_threads: int = Field(1, ge=1)
     device: str = "cpu"
     sync_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

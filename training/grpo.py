@@ -39,12 +39,36 @@ def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> l
     return [picked[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
 
 
-def clipped_loss(new: Any, old: Any, advantage: float, clip_eps: float) -> Any:
-    """PPO's clipped surrogate for one sample, averaged over its tokens. With
-    `old == new.detach()` (strictly on-policy) it is REINFORCE with a baseline."""
+def clipped_loss(new: Any, old: Any, advantage: float, clip_eps: float, weight: Any = None) -> Any:
+    """PPO's clipped surrogate for one sample, averaged over its tokens,
+    each token's term times `weight` (none: 1). With `old == new.detach()`
+    (strictly on-policy) it is REINFORCE with a baseline."""
     import torch
 
     ratio = torch.exp(new - old)
     unclipped = ratio * advantage
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantage
-    return -torch.minimum(unclipped, clipped).mean()
+    surrogate = torch.minimum(unclipped, clipped)
+    if weight is not None:
+        surrogate = surrogate * weight
+    return -surrogate.mean()
+
+
+def truncated_is_weights(proximal: Any, behaviour: Any, cap: float) -> Any:
+    """Per token, min(pi_proximal / pi_behaviour, cap), detached: the
+    correction of decoupled PPO (AReaL) with truncated importance sampling
+    (verl's TIS) for rows sampled by other weights than the policy's (an
+    older version, or the engine's numerics)."""
+    import torch
+
+    return torch.exp(proximal.detach() - behaviour).clamp(max=cap)
+
+
+def k3_kl(proximal: Any, behaviour: Any) -> Any:
+    """Per token, Schulman's k3 estimate of KL(behaviour || proximal) from
+    tokens the behaviour policy sampled: e^r - 1 - r, r = log(pi_prox / pi_beh).
+    Never negative, unbiased."""
+    import torch
+
+    log_ratio = proximal.detach() - behaviour
+    return torch.exp(log_ratio) - 1.0 - log_ratio

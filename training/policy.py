@@ -6,13 +6,20 @@ models plug in their own `Trainer`."""
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Any
 
 from training.config import PolicyConfig
-from training.grpo import clipped_loss, group_advantages, token_logprobs
+from training.grpo import (
+    clipped_loss,
+    group_advantages,
+    k3_kl,
+    token_logprobs,
+    truncated_is_weights,
+)
 from training.rollouts import RolloutGroup, StaleRolloutError
-from training.trainer import Trainer
+from training.trainer import StepReport, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +31,32 @@ def checkpoint_dtype(pretrain: str) -> str:
 
     dtype = getattr(AutoConfig.from_pretrained(pretrain), "dtype", None)
     return str(dtype or "float32").removeprefix("torch.")
+
+
+class OffPolicyStats:
+    """Per-token sums over a step's samples with behaviour logprobs: the
+    train/inference mismatch and the importance weights."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.abs_diff = self.kl = self.weights = self.truncated = 0.0
+
+    def add(self, proximal: Any, behaviour: Any, weight: Any, cap: float) -> None:
+        self.tokens += proximal.numel()
+        self.abs_diff += float((proximal - behaviour).abs().sum())
+        self.kl += float(k3_kl(proximal, behaviour).sum())
+        self.weights += float(weight.sum())
+        self.truncated += float((weight >= cap).sum())
+
+    def report(self) -> dict[str, float | None]:
+        if not self.tokens:
+            return {}
+        return {
+            "logprob_mismatch": self.abs_diff / self.tokens,
+            "kl_k3": self.kl / self.tokens,
+            "is_weight_mean": self.weights / self.tokens,
+            "is_truncated_fraction": self.truncated / self.tokens,
+        }
 
 
 class ReferencePolicy(Trainer):
@@ -76,7 +109,12 @@ class ReferencePolicy(Trainer):
         )
         return super().init_weight_sync(engines, **kwargs)
 
-    def train_step(self, groups: list[RolloutGroup | dict]) -> dict[str, Any]:
+    def train_step(self, groups: list[RolloutGroup | dict]) -> StepReport:
+        """A GRPO step as decoupled PPO: the ratio is taken against the
+        policy's own logprobs before the step ("proximal", detached), and each
+        token's term is weighted by min(pi_proximal / pi_behaviour, tis_cap)
+        when the row carries the engine's (behaviour) logprobs, which corrects
+        rows sampled by an older version or by the engine's numerics."""
         import torch
 
         started = time.monotonic()
@@ -89,24 +127,27 @@ class ReferencePolicy(Trainer):
             samples += group.samples
             advantages += group_advantages(group.rewards)
         rewards = [r for g in groups for r in g.rewards]
+        staleness = [self.weight_version - s.weight_version for s in samples]
         trained = [
             (s, a)
             for s, a in zip(samples, advantages, strict=True)
             if a != 0.0 and s.completion_token_ids
         ]
         loss_value, grad_norm = 0.0, 0.0
+        off_policy = OffPolicyStats()
         if trained:
             sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
             per_seq = token_logprobs(self.model, sequences, self.pad_id)
             losses = []
             for (sample, advantage), logprobs in zip(trained, per_seq, strict=True):
                 new = logprobs[len(sample.prompt_token_ids) - 1 :]
-                old = (
-                    torch.tensor(sample.logprobs, device=new.device)
-                    if sample.logprobs is not None
-                    else new.detach()
-                )
-                losses.append(clipped_loss(new, old, advantage, self.config.clip_eps))
+                proximal = new.detach()
+                weight = None
+                if sample.logprobs is not None:
+                    behaviour = torch.tensor(sample.logprobs, device=new.device)
+                    weight = truncated_is_weights(proximal, behaviour, self.config.tis_cap)
+                    off_policy.add(proximal, behaviour, weight, self.config.tis_cap)
+                losses.append(clipped_loss(new, proximal, advantage, self.config.clip_eps, weight))
             loss = torch.stack(losses).mean()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -118,15 +159,19 @@ class ReferencePolicy(Trainer):
         # Every step makes a new version, even one without signal: what the
         # engines serve is then unambiguous.
         self.weight_version += 1
-        return {
-            "version": self.weight_version,
-            "loss": loss_value,
-            "grad_norm": grad_norm,
-            "mean_reward": sum(rewards) / len(rewards),
-            "samples": len(samples),
-            "trained_samples": len(trained),
-            "seconds": time.monotonic() - started,
-        }
+        return StepReport(
+            version=self.weight_version,
+            loss=loss_value,
+            grad_norm=grad_norm,
+            mean_reward=statistics.fmean(rewards),
+            reward_std=statistics.pstdev(rewards),
+            samples=len(samples),
+            trained_samples=len(trained),
+            seconds=time.monotonic() - started,
+            staleness_max=max(staleness),
+            staleness_mean=statistics.fmean(staleness),
+            **off_policy.report(),
+        )
 
     def _check_fresh(self, groups: list[RolloutGroup]) -> None:
         oldest = min(s.weight_version for g in groups for s in g.samples)

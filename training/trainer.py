@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from engines.weight_sync import (
@@ -29,6 +30,34 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = ("broadcast", "cuda_ipc", "checkpoint")
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """One training step. The off-policy fields are None when no sample
+    carried behaviour logprobs (nothing to compare with)."""
+
+    #: The policy's version after the step.
+    version: int
+    loss: float
+    grad_norm: float
+    mean_reward: float
+    reward_std: float
+    samples: int
+    #: Samples with a non-zero advantage and a completion (the others carry no signal).
+    trained_samples: int
+    seconds: float
+    #: Staleness of the rows: the policy's version before the step minus the
+    #: oldest version each row was generated under.
+    staleness_max: int
+    staleness_mean: float
+    #: Train/inference mismatch per token: mean |proximal - behaviour logprob|,
+    #: and the k3 estimate of KL(behaviour || proximal).
+    logprob_mismatch: float | None = None
+    kl_k3: float | None = None
+    #: Truncated importance weights: their mean, and the fraction of tokens cut at the cap.
+    is_weight_mean: float | None = None
+    is_truncated_fraction: float | None = None
+
+
 class Trainer(abc.ABC):
     """A trainable policy whose weights the rollout engines follow."""
 
@@ -37,9 +66,8 @@ class Trainer(abc.ABC):
     weight_version: int = 0
 
     @abc.abstractmethod
-    def train_step(self, groups: list[Any]) -> dict[str, Any]:
-        """One update from scored rollout groups; returns plain metrics and
-        increments `weight_version`."""
+    def train_step(self, groups: list[Any]) -> StepReport:
+        """One update from scored rollout groups; increments `weight_version`."""
 
     @abc.abstractmethod
     def named_weights(self) -> list[tuple[str, Any]]:

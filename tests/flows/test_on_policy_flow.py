@@ -4,9 +4,20 @@ the labelled letter task as the README runs it."""
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
-from rollout_support import REPO, kill_engine, nothing_left, run_dirs, small_run, wait_until
+from rollout_support import (
+    REPO,
+    kill_engine,
+    nothing_left,
+    rows_by_prompt,
+    run_dirs,
+    small_run,
+    wait_until,
+)
 from test_rollout_flow import artifacts_of
 
 from flows.params import RolloutParams
@@ -47,11 +58,11 @@ def test_on_policy_flow_learns_and_serves_the_synced_weights(ray_local, tiny_mod
     state = rollout(on_policy_run(tiny_model, tmp_path, iterations=4), return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    rewards = [step["mean_reward"] for step in summary.training]
+    rewards = [step.mean_reward for step in summary.training]
     # Measured: 0.08 -> 0.08 -> 0.43 -> 0.88 with these seeds; a random policy
     # scores ~0.08. The bar needs a real learning signal, with room for drift.
     assert rewards[-1] - rewards[0] > 0.3, rewards
-    assert [step["weight_version"] for step in summary.training] == [1, 2, 3, 4]
+    assert [step.weight_version for step in summary.training] == [1, 2, 3, 4]
     run_dir = tmp_path / summary.run_id
     # Iteration i samples from the weights the policy had after i steps.
     assert [versions(run_dir, i) for i in range(4)] == [{0}, {1}, {2}, {3}]
@@ -61,19 +72,30 @@ def test_on_policy_flow_learns_and_serves_the_synced_weights(ray_local, tiny_mod
     nothing_left(summary.run_id)  # engines, placement group and the policy actor
 
 
-def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tmp_path):
-    """An engine killed in iteration 1 is replaced and gets the policy's
-    current weights first: no row of iteration 1 comes from version 0."""
+def run_killing_engine_1(params: RolloutParams, tmp_path, when: Callable[[Path], bool]):
+    """Run the flow, killing engine 1 once `when(run_dir)` holds; the run's
+    final state."""
 
     def kill_during_iteration_1():
         wait_until(lambda: run_dirs(tmp_path), 120, "the run directory")
         (run_dir,) = run_dirs(tmp_path)
-        wait_until(lambda: list(run_dir.glob("iter-001/shard-*")), 300, "iteration 1")
+        wait_until(lambda: when(run_dir), 300, f"{when.__doc__} in {run_dir}")
         killed.append(kill_engine(run_dir.name, 1))
 
     killed: list[str] = []
     killer = threading.Thread(target=kill_during_iteration_1, daemon=True)
     killer.start()
+    state = rollout(params, return_state=True)
+    killer.join(timeout=5)
+    assert state.is_completed(), state.message
+    assert killed, "the engine was not killed during iteration 1"
+    return state
+
+
+def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tmp_path):
+    """An engine killed in iteration 1 is replaced and gets the policy's
+    current weights first: no row of iteration 1 comes from version 0."""
+
     params = on_policy_run(
         tiny_model,
         tmp_path,
@@ -84,10 +106,12 @@ def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tm
         max_tokens=64,
         ignore_eos=True,
     )
-    state = rollout(params, return_state=True)
-    killer.join(timeout=5)
-    assert state.is_completed(), state.message
-    assert killed, "the engine was not killed during iteration 1"
+
+    def iteration_1_begun(run_dir: Path) -> bool:
+        """a shard of iteration 1"""
+        return bool(list(run_dir.glob("iter-001/shard-*")))
+
+    state = run_killing_engine_1(params, tmp_path, iteration_1_begun)
     summary = state.result()
     run_dir = tmp_path / summary.run_id
     assert versions(run_dir, 0) == {0}
@@ -106,7 +130,7 @@ def test_letter_task_learns_and_rows_carry_reward_label_and_id(ray_local, tiny_m
     state = rollout(params, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    rewards = [step["mean_reward"] for step in summary.training]
+    rewards = [step.mean_reward for step in summary.training]
     # Measured (python -m flows.cli, these settings): 0.005 -> 0.005 -> 0.18 ->
     # 0.44 -> 0.48 -> 0.49. A policy answering one letter always scores 0.5.
     assert rewards[-1] - rewards[0] > 0.25, rewards
@@ -126,5 +150,78 @@ def test_letter_task_learns_and_rows_carry_reward_label_and_id(ray_local, tiny_m
     )
     assert len(every) == len(frame) * LETTER_TASK["iterations"]
     assert sum(every["reward"]) / len(every) > rewards[0]
-    assert all(step["reward_seconds"] >= 0 for step in summary.training)
+    assert all(step.reward_seconds >= 0 for step in summary.training)
+    nothing_left(summary.run_id)
+
+
+def staleness_of_rows(run_dir, iterations: int) -> dict[int, int]:
+    """Per iteration i (trained at version i), the most its rows lag: i minus
+    the oldest version a row was generated under."""
+    return {
+        i: i - min(min(row["weight_versions"]) for row in read_rows(run_dir / f"iter-{i:03d}"))
+        for i in range(iterations)
+    }
+
+
+def test_overlap_learns_the_letter_task_within_the_staleness_bound(ray_local, tiny_model, tmp_path):
+    params = RolloutParams(**{**small_run(tiny_model, tmp_path), **LETTER_TASK}, schedule="overlap")
+    state = rollout(params, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    rewards = [step.mean_reward for step in summary.training]
+    assert rewards[-1] - rewards[0] > 0.25, rewards
+    run_dir = tmp_path / summary.run_id
+    staleness = staleness_of_rows(run_dir, LETTER_TASK["iterations"])
+    # Iteration i + 1 is generated while the policy trains on i: one version behind.
+    assert staleness == {0: 0, **{i: 1 for i in range(1, LETTER_TASK["iterations"])}}
+    assert [step.staleness_max for step in summary.training] == list(staleness.values())
+    assert [step.weight_version for step in summary.training] == [1, 2, 3, 4, 5, 6]
+    # Rows carry the engine's logprobs: the policy reports its mismatch with
+    # them (over the samples it trained on): none on policy, some one version on.
+    mismatch = [step.logprob_mismatch for step in summary.training]
+    assert mismatch[0] < 0.01, mismatch
+    assert any(m is not None and m > 0.01 for m in mismatch[1:]), mismatch
+    for i in range(LETTER_TASK["iterations"]):
+        assert len(rows_by_prompt(read_rows(run_dir / f"iter-{i:03d}"))) == 16 * 8
+    nothing_left(summary.run_id)
+
+
+def test_in_flight_with_an_engine_killed_writes_every_rollout_once(ray_local, tiny_model, tmp_path):
+    """in_flight: generation 1 runs while the policy trains on 0 and its
+    version is pushed into the running requests. Engine 1 is killed in
+    generation 1: the retry replaces it, syncs it to the policy's version,
+    and every (prompt, sample) is written once, within the staleness bound."""
+
+    params = on_policy_run(
+        tiny_model,
+        tmp_path,
+        schedule="in_flight",
+        iterations=2,
+        n=2,
+        shard_size=1,
+        shards_per_engine=1,
+        max_len=256,
+        max_tokens=48,
+        ignore_eos=True,
+    )
+
+    def version_1_pushed_in_flight(run_dir: Path) -> bool:
+        """a row of iteration 1 begun on version 0 and finished on 1"""
+        return any(
+            json.loads(line)["weight_versions"] == [0, 1]
+            for shard in run_dir.glob("iter-001/shard-*.jsonl")
+            for line in shard.read_text().splitlines()
+        )
+
+    state = run_killing_engine_1(params, tmp_path, version_1_pushed_in_flight)
+    summary = state.result()
+    run_dir = tmp_path / summary.run_id
+    tables = artifacts_of(state.state_details.flow_run_id)["table"]
+    (engines,) = [t for t in tables if t.key == "rollout-engines"]
+    data = engines.data if isinstance(engines.data, list) else json.loads(engines.data)
+    assert sum(row["restarts"] for row in data) == 1  # replaced during iteration 1
+    for i in range(2):
+        assert len(rows_by_prompt(read_rows(run_dir / f"iter-{i:03d}"))) == 32 * 2
+    assert staleness_of_rows(run_dir, 2) == {0: 0, 1: 1}
+    assert summary.training[-1].weight_version == 2
     nothing_left(summary.run_id)

@@ -11,12 +11,14 @@ from PIL import Image
 from tasks.generate import IterationReport
 from tasks.report import (
     IterationMetrics,
+    TrainingRow,
     compact,
     curves_markdown,
     sparkline,
     terminal_curves,
     write_curves_png,
 )
+from training.trainer import StepReport
 
 
 def report(iteration: int, rows: int = 64, tokens: int = 640, seconds: float = 2.0):
@@ -32,12 +34,26 @@ def report(iteration: int, rows: int = 64, tokens: int = 640, seconds: float = 2
     )
 
 
+def step(reward: float, version: int = 1, mismatch: float | None = None) -> StepReport:
+    return StepReport(
+        version=version,
+        loss=0.0,
+        grad_norm=0.0,
+        mean_reward=reward,
+        reward_std=0.1,
+        samples=64,
+        trained_samples=64,
+        seconds=1.5,
+        staleness_max=1,
+        staleness_mean=0.5,
+        logprob_mismatch=mismatch,
+    )
+
+
 def on_policy(rewards: list[float]) -> list[IterationMetrics]:
     return [
         IterationMetrics.of(
-            report(i, tokens=640 + 64 * i),
-            step={"mean_reward": r, "reward_std": 0.1},
-            synced={"seconds": 0.5 - 0.1 * i},
+            report(i, tokens=640 + 64 * i), step(r, i + 1), synced={"seconds": 0.5 - 0.1 * i}
         )
         for i, r in enumerate(rewards)
     ]
@@ -55,7 +71,22 @@ def test_metrics_of_an_iteration():
         "reward_mean",
         "reward_std",
         "sync_seconds",
+        "staleness_max",
     }
+
+
+def test_training_row_of_an_iteration():
+    synced = {"version": 2, "bytes": 4_000_000, "seconds": 0.25, "gb_per_s": 0.016}
+    row = TrainingRow.of(
+        report(1), step(0.5, 2, mismatch=0.0123456), synced, engine_idle_s=0.5, policy_idle_s=2.0
+    )
+    assert (row.iteration, row.generate_seconds, row.train_seconds) == (1, 2.0, 1.5)
+    assert (row.engine_idle_seconds, row.policy_idle_seconds) == (0.5, 2.0)
+    assert (row.staleness_max, row.logprob_mismatch) == (1, 0.01235)
+    assert (row.weight_version, row.sync_bytes, row.sync_seconds) == (2, 4_000_000, 0.25)
+    # A version published by a later sync, together with the next one.
+    later = TrainingRow.of(report(1), step(0.5, 2), None, engine_idle_s=0, policy_idle_s=0)
+    assert (later.weight_version, later.sync_seconds, later.logprob_mismatch) == (None,) * 3
 
 
 def test_plain_and_reused_iterations_leave_out_what_does_not_apply():
@@ -90,7 +121,7 @@ def test_markdown_inlines_the_png_and_tabulates_each_iteration(tmp_path):
 
 def test_terminal_curves_show_first_last_and_the_shape():
     lines = terminal_curves(on_policy([0.1, 0.2, 0.6, 0.9]))
-    assert len(lines) == 4
+    assert len(lines) == 5  # reward, length, tokens/s, sync, staleness (no logprobs: no mismatch)
     assert lines[0].startswith("reward") and lines[0].endswith("0.1 ▁▂▅█ 0.9")
     assert terminal_curves([]) == []
 

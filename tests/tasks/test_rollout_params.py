@@ -45,6 +45,21 @@ def test_max_tokens_must_leave_room_for_the_prompt():
         RolloutParams(max_len=64, max_tokens=64)
 
 
+def test_schedule_and_its_staleness_bound():
+    assert (RolloutParams().schedule, RolloutParams().staleness_bound) == ("sync", 0)
+    assert RolloutParams(schedule="overlap").staleness_bound == 1
+    assert RolloutParams(schedule="in_flight", max_staleness=3).staleness_bound == 3
+    with pytest.raises(ValidationError, match=r"'overlap' needs max_staleness >= 1, got 0"):
+        RolloutParams(schedule="overlap", max_staleness=0)
+    with pytest.raises(ValidationError, match=r"max_staleness \(2\) needs schedule 'overlap'"):
+        RolloutParams(max_staleness=2)
+    with pytest.raises(ValidationError) as info:
+        RolloutParams(schedule="async")
+    assert [error["loc"] for error in info.value.errors()] == [("schedule",)]
+    params = parse_params(["--schedule", "in_flight", "--max-staleness", "2"])
+    assert (params.schedule, params.max_staleness) == ("in_flight", 2)
+
+
 def test_json_schema_carries_bounds_for_the_ui():
     schema = RolloutParams.model_json_schema()
     assert schema["additionalProperties"] is False

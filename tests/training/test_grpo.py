@@ -8,7 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from training.grpo import clipped_loss, group_advantages, token_logprobs
+from training.grpo import (
+    clipped_loss,
+    group_advantages,
+    k3_kl,
+    token_logprobs,
+    truncated_is_weights,
+)
 
 
 def test_advantages_are_normalised_within_the_group():
@@ -49,3 +55,32 @@ def test_clipping_stops_the_gradient_beyond_the_trust_region():
     new = torch.tensor([-0.5], requires_grad=True)  # ratio e^0.5 > 1.2
     clipped_loss(new, old, advantage=1.0, clip_eps=0.2).backward()
     assert new.grad.item() == 0.0
+
+
+def test_truncated_is_weights_are_the_capped_ratio_without_grad():
+    proximal = torch.tensor([-1.0, -1.0, -3.0], requires_grad=True)
+    behaviour = torch.tensor([-1.0, -2.0, -1.0])
+    weights = truncated_is_weights(proximal, behaviour, cap=2.0)
+    assert not weights.requires_grad
+    # Equal: 1; the policy likes the token e times more: cut at the cap; less: e^-2.
+    torch.testing.assert_close(weights, torch.tensor([1.0, 2.0, math.exp(-2.0)]))
+
+
+def test_k3_is_zero_on_policy_and_positive_off_it():
+    behaviour = torch.tensor([-1.0, -2.0])
+    assert torch.all(k3_kl(behaviour.clone(), behaviour) == 0)
+    shifted = k3_kl(behaviour + torch.tensor([0.5, -0.5]), behaviour)
+    assert torch.all(shifted > 0)
+    torch.testing.assert_close(shifted[0], torch.tensor(math.exp(0.5) - 1.5))
+
+
+def test_the_is_weight_scales_each_tokens_gradient():
+    """Decoupled PPO: against the proximal (new.detach()) the ratio is 1, so
+    each token's gradient is -advantage x its weight / tokens."""
+    new = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    weight = torch.tensor([1.0, 0.5, 2.0])
+    clipped_loss(new, new.detach(), 1.0, clip_eps=0.2, weight=weight).backward()
+    torch.testing.assert_close(new.grad, -weight / 3)
+    plain = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    clipped_loss(plain, plain.detach(), 1.0, clip_eps=0.2).backward()
+    torch.testing.assert_close(plain.grad, torch.full((3,), -1 / 3))

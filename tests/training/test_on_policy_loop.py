@@ -100,12 +100,12 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
 def test_on_policy_loop_raises_the_reward(ray_local, tiny_model, tmp_path):
     result = on_policy_loop(tiny_model, str(tmp_path))
     trained, synced = result["trained"], result["synced"]
-    rewards = [t["mean_reward"] for t in trained]
+    rewards = [t.mean_reward for t in trained]
     assert rewards[-1] - rewards[0] > MIN_GAIN, rewards
     assert max(rewards[-2:]) > max(rewards[:2]), rewards
     # On-policy: iteration i trains on rollouts of version i and makes i + 1,
     # which the sync hands to the engine before iteration i + 1 generates.
-    assert [t["version"] for t in trained] == list(range(1, ITERATIONS + 1))
+    assert [t.version for t in trained] == list(range(1, ITERATIONS + 1))
     assert [s["version"] for s in synced] == list(range(1, ITERATIONS + 1))
     assert all(not s["skipped"] and s["bytes"] > 0 and s["gb_per_s"] > 0 for s in synced)
     for i in range(ITERATIONS):

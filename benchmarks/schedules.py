@@ -1,0 +1,197 @@
+"""The three schedules of the on-policy flow side by side: `sync`, `overlap`
+and `in_flight`, each one real run of the rollout flow on the same task
+(the letter task, training/letter_task.py), seed and settings, one after the
+other in this process. Not a test: it prints numbers.
+
+    python benchmarks/schedules.py                      # CPU: the tiny model, hf engines
+    python benchmarks/schedules.py --backend vllm --gpu-model --prompts 64 --n 16 \\
+        --max-tokens 96 --steps 6 --json schedules.json  # 2 GPUs: engine / policy
+
+Per schedule: training steps per hour over the iterations (start-up excluded:
+engines and policy load once per run), the ratio to `sync`, the reward after
+the fixed number of steps, the most stale row, and the mean seconds of
+generate / train / sync and of engine and policy idle time per iteration.
+`--gpu-model` builds the GPU tests' 0.28B model (random weights, bf16); the
+policy trains it in float32 on its own GPU and syncs it over NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+SCHEDULES = ("sync", "overlap", "in_flight")
+#: The GPU tests' model (tests/gpu/gpu_helpers.py).
+GPU_MODEL_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16", init_std=0.02)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--steps", type=int, default=6, help="iterations (training steps) per run")
+    parser.add_argument("--prompts", type=int, default=16, help="letter-task prompts")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--num-engines", type=int, help="default: 2 (hf), 1 (vllm: one GPU)")
+    parser.add_argument("--learning-rate", type=float, default=0.02)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--gpu-model", action="store_true", help="the GPU tests' 0.28B model, not the tiny one"
+    )
+    parser.add_argument("--model", help="a model directory instead of a built one")
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM: no CUDA graphs (engines start in seconds, not a minute)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.num_engines is None:
+        args.num_engines = 1 if args.backend == "vllm" else 2
+    return args
+
+
+def build_model(args: argparse.Namespace, workdir: Path) -> str:
+    from engines.tiny_model import build_tiny_model, ensure_tiny_model
+
+    if args.model:
+        return args.model
+    if args.gpu_model:
+        return str(build_tiny_model(workdir / "llama-0.28b", **GPU_MODEL_SHAPE))
+    return str(ensure_tiny_model())
+
+
+def params_for(args: argparse.Namespace, schedule: str, model: str, prompts: Path, out: Path):
+    from flows.params import RolloutParams
+
+    on_gpu = args.backend == "vllm"
+    return RolloutParams(
+        prompts_path=str(prompts),
+        label_field="answer",
+        id_field="id",
+        reward="training.letter_task:reward",
+        model=model,
+        backend=args.backend,
+        num_engines=args.num_engines,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        max_len=max(128, args.max_tokens + 64),
+        iterations=args.steps,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        schedule=schedule,
+        **({"max_staleness": args.max_staleness} if schedule != "sync" else {}),
+        shard_size=max(1, args.prompts // (2 * args.num_engines)),
+        output_dir=str(out),
+        output_format="jsonl",
+        gpu_memory_utilization=0.3 if on_gpu else 0.85,
+        engine_kwargs={"enforce_eager": True} if on_gpu and args.enforce_eager else {},
+    )
+
+
+def run_one(params) -> dict:
+    from flows.rollout import rollout
+
+    state = rollout(params, return_state=True)
+    if not state.is_completed():
+        raise RuntimeError(f"the {params.schedule} run failed: {state.message}")
+    summary = state.result()
+    rows = summary.training
+
+    def mean(field: str) -> float:
+        return statistics.fmean(getattr(row, field) or 0.0 for row in rows)
+
+    return {
+        "schedule": params.schedule,
+        "steps": len(rows),
+        "iterations_s": summary.iterations_seconds,
+        "steps_per_hour": len(rows) * 3600 / summary.iterations_seconds,
+        "reward_first": rows[0].mean_reward,
+        "reward_last": rows[-1].mean_reward,
+        "staleness_max": max(row.staleness_max for row in rows),
+        "generate_s": mean("generate_seconds"),
+        "train_s": mean("train_seconds"),
+        "sync_s": mean("sync_seconds"),
+        "engine_idle_s": mean("engine_idle_seconds"),
+        "policy_idle_s": mean("policy_idle_seconds"),
+    }
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["schedule"] == "sync"), results[0])
+    header = (
+        f"{'schedule':<10} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
+        f"{'gen s':>6} {'train s':>7} {'sync s':>6} {'eng idle':>8} {'pol idle':>8}"
+    )
+    lines = [header]
+    for r in results:
+        lines.append(
+            f"{r['schedule']:<10} {r['steps_per_hour']:>8.0f} "
+            f"{r['steps_per_hour'] / base['steps_per_hour']:>6.2f}x "
+            f"{r['reward_first']:>5.3f}->{r['reward_last']:<6.3f} {r['staleness_max']:>5} "
+            f"{r['generate_s']:>6.2f} {r['train_s']:>7.2f} {r['sync_s']:>6.3f} "
+            f"{r['engine_idle_s']:>8.2f} {r['policy_idle_s']:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    schedules = args.schedules.split(",")
+    if unknown := sorted(set(schedules) - set(SCHEDULES)):
+        raise SystemExit(f"error: unknown schedules {unknown}; pick from {SCHEDULES}")
+    import ray
+    from prefect.testing.utilities import prefect_test_harness
+
+    from training.letter_task import make_rows
+
+    workdir = Path(tempfile.mkdtemp(prefix="rolloutflow-schedules-"))
+    os.environ.setdefault("PREFECT_HOME", str(workdir / "prefect"))
+    prompts = workdir / "letter_task.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in make_rows(args.prompts, args.seed)))
+    model = build_model(args, workdir)
+    where = (
+        "GPU: vLLM engines, the policy on a GPU of its own (NCCL sync)"
+        if args.backend == "vllm"
+        else "CPU: the tiny model (hf engines, gloo sync); small numbers, "
+        "not the GPU figures of docs/benchmarks.md"
+    )
+    print(
+        f"{where}\nletter task: {args.prompts} prompts x {args.n} samples, {args.max_tokens} "
+        f"tokens, {args.steps} steps, {args.num_engines} engines, model {model}",
+        flush=True,
+    )
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="bench-schedules")
+    results = []
+    began = time.monotonic()
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            for schedule in schedules:
+                out = workdir / "out" / schedule
+                results.append(run_one(params_for(args, schedule, model, prompts, out)))
+                print(f"{schedule}: done ({results[-1]['iterations_s']:.1f} s)", flush=True)
+    finally:
+        ray.shutdown()
+    print(f"\n{table(results)}\n(per iteration means; {time.monotonic() - began:.0f} s in all)")
+    if args.json:
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": settings, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""When the rollout flow starts each task: pure decisions over what is done
+and what is running, so the flow body only submits and collects.
+
+Three kinds of work: a generation (the engines, one at a time), a training
+step (the policy) and a weight sync (both). With S the staleness bound
+(0 for `sync`):
+
+- generation of iteration j starts when no generation runs and the engines
+  serve version >= j - S;
+- training on iteration j starts when its rollouts are written and the
+  policy has trained on j - 1;
+- a sync of the policy's newest version starts after a training step:
+  `sync` and `overlap` when no generation runs (the engines are idle),
+  `in_flight` at once, under a running generation (its requests freeze and
+  continue on the new weights; their rows record both versions).
+
+The policy actor runs one method at a time, so a sync and a training step
+are never submitted together: the sync goes first, as the engines wait for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Schedule = Literal["sync", "overlap", "in_flight"]
+SCHEDULES: tuple[Schedule, ...] = ("sync", "overlap", "in_flight")
+
+
+@dataclass
+class Pipeline:
+    """The run's progress through its iterations. `trains=False` (a plain
+    rollout job or an evaluation run): generations only, one after another."""
+
+    iterations: int
+    schedule: Schedule = "sync"
+    max_staleness: int = 0
+    trains: bool = True
+    #: Iterations whose rollouts are written (in order: one generation at a time).
+    generated: int = 0
+    generating: int | None = None
+    #: Training steps done: the policy's version.
+    trained: int = 0
+    training: int | None = None
+    #: The version the engines serve (the newest sync that finished).
+    served: int = 0
+    syncing: bool = False
+    #: A sync failed while this generation ran (an engine died under it): the
+    #: generation's retry replaces the engine, the next sync waits for it.
+    sync_held_for: int | None = None
+    #: Seconds the engines (no generation) and the policy (neither training
+    #: nor syncing) were idle before each iteration's generation / training.
+    engine_idle_s: dict[int, float] = field(default_factory=dict)
+    policy_idle_s: dict[int, float] = field(default_factory=dict)
+    _engines_free_since: float | None = None
+    _policy_free_since: float | None = None
+    _policy_idle_owed: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "sync" and self.max_staleness != 0:
+            raise ValueError(f"schedule 'sync' has max_staleness 0, got {self.max_staleness}")
+        if self.schedule != "sync" and self.max_staleness < 1:
+            raise ValueError(
+                f"schedule {self.schedule!r} needs max_staleness >= 1, got {self.max_staleness}"
+            )
+
+    # --- decisions ---------------------------------------------------------------
+    def next_generation(self) -> int | None:
+        """The iteration to generate now, or None."""
+        j = self.generated
+        if self.generating is not None or j >= self.iterations:
+            return None
+        if not self.trains:
+            return j
+        if self.syncing and self.schedule != "in_flight":
+            return None  # overlap: the sync has the engines to itself
+        return j if self.served >= j - self.max_staleness else None
+
+    def next_training(self) -> int | None:
+        """The iteration to train on now, or None."""
+        j = self.trained
+        if not self.trains or self.training is not None or self.syncing:
+            return None
+        return j if j < self.generated else None
+
+    def should_sync(self) -> bool:
+        """Whether to push the policy's newest version to the engines now."""
+        if not self.trains or self.syncing or self.training is not None:
+            return False
+        if self.trained <= self.served:
+            return False
+        if self.generating is not None:
+            return self.schedule == "in_flight" and self.sync_held_for != self.generating
+        return True
+
+    @property
+    def done(self) -> bool:
+        busy = self.generating is not None or self.training is not None or self.syncing
+        finished = self.generated == self.iterations
+        if self.trains:
+            finished = finished and self.trained == self.iterations == self.served
+        return finished and not busy
+
+    # --- events (`now`: a monotonic clock) --------------------------------------------
+    def start(self, now: float) -> None:
+        self._engines_free_since = self._policy_free_since = now
+
+    def generation_started(self, iteration: int, now: float) -> None:
+        self.generating = iteration
+        self.engine_idle_s[iteration] = now - self._engines_free_since
+
+    def generation_done(self, now: float) -> None:
+        self.generated += 1
+        self.generating = None
+        self._engines_free_since = now
+
+    def training_started(self, iteration: int, now: float) -> None:
+        self.training = iteration
+        self.policy_idle_s[iteration] = self._policy_idle_owed + now - self._policy_free_since
+        self._policy_idle_owed = 0.0
+
+    def training_done(self, version: int, now: float) -> None:
+        self.trained += 1
+        if version != self.trained:
+            raise RuntimeError(f"policy at version {version} after {self.trained} steps")
+        self.training = None
+        self._policy_free_since = now
+
+    def sync_started(self, now: float) -> None:
+        self.syncing = True
+        self._policy_idle_owed += now - self._policy_free_since
+
+    def sync_done(self, version: int, now: float) -> None:
+        self.syncing = False
+        self.served = max(self.served, version)
+        self._policy_free_since = now
+
+    def sync_failed(self, now: float) -> bool:
+        """A sync failed. True when a running generation's retry will replace
+        the engine that died (the next sync then waits for that generation);
+        False: nothing will, the caller re-raises."""
+        self.syncing = False
+        self._policy_free_since = now
+        if self.generating is None:
+            return False
+        self.sync_held_for = self.generating
+        return True

@@ -1,0 +1,156 @@
+"""The pipeline's decisions (flows/schedule.py), driven by hand: which task
+starts next under each schedule, and the idle time it records."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.schedule import Pipeline
+
+
+def drain(pipeline: Pipeline) -> list[str]:
+    """Run the pipeline to the end, finishing the oldest running task first;
+    return what was started and finished, in order."""
+    events: list[str] = []
+    running: list[tuple[str, int]] = []
+    clock = 0.0
+    while not pipeline.done:
+        if pipeline.should_sync():
+            pipeline.sync_started(clock)
+            running.append(("sync", pipeline.trained))
+            events.append(f"sync v{pipeline.trained}")
+        if (i := pipeline.next_training()) is not None:
+            pipeline.training_started(i, clock)
+            running.append(("train", i))
+            events.append(f"train {i}")
+        if (i := pipeline.next_generation()) is not None:
+            pipeline.generation_started(i, clock)
+            running.append(("gen", i))
+            events.append(f"gen {i}")
+        assert running, f"deadlock: {pipeline}"
+        kind, value = running.pop(0)
+        clock += 1.0
+        if kind == "gen":
+            pipeline.generation_done(clock)
+        elif kind == "train":
+            pipeline.training_done(value + 1, clock)
+        else:
+            pipeline.sync_done(value, clock)
+        events.append(f"/{kind}")
+    return events
+
+
+def test_sync_is_generate_train_sync_in_order():
+    pipeline = Pipeline(3, "sync", 0)
+    pipeline.start(0.0)
+    events = [e for e in drain(pipeline) if not e.startswith("/")]
+    assert events == [
+        "gen 0", "train 0", "sync v1",
+        "gen 1", "train 1", "sync v2",
+        "gen 2", "train 2", "sync v3",
+    ]  # fmt: skip
+
+
+def test_overlap_generates_the_next_iteration_while_the_policy_trains():
+    pipeline = Pipeline(3, "overlap", 1)
+    pipeline.start(0.0)
+    events = drain(pipeline)
+    # Generation 1 starts with training 0, on version 0 (one behind).
+    assert events.index("gen 1") == events.index("train 0") + 1
+    # The sync waits for the engines to be idle, and generation 2 for the sync.
+    assert events.index("sync v1") > events.index("/gen")
+    assert events.index("gen 2") > events.index("sync v1")
+    assert pipeline.served == pipeline.trained == 3
+
+
+def test_in_flight_syncs_under_a_running_generation():
+    pipeline = Pipeline(3, "in_flight", 1)
+    pipeline.start(0.0)
+    pipeline.generation_started(0, 0.0)
+    pipeline.generation_done(1.0)
+    assert pipeline.next_training() == 0
+    pipeline.training_started(0, 1.0)
+    assert pipeline.next_generation() == 1
+    pipeline.generation_started(1, 1.0)
+    pipeline.training_done(1, 2.0)
+    assert pipeline.should_sync()  # generation 1 is running: in_flight syncs at once
+    overlap = Pipeline(3, "overlap", 1, generating=1, trained=1)
+    assert not overlap.should_sync()
+
+
+@pytest.mark.parametrize("schedule, staleness", [("overlap", 1), ("in_flight", 1), ("overlap", 2)])
+def test_no_generation_starts_past_the_staleness_bound(schedule, staleness):
+    pipeline = Pipeline(6, schedule, staleness)
+    pipeline.start(0.0)
+    started_on: dict[int, int] = {}
+    original = pipeline.generation_started
+
+    def record(iteration: int, now: float) -> None:
+        started_on[iteration] = pipeline.served
+        original(iteration, now)
+
+    pipeline.generation_started = record
+    drain(pipeline)
+    assert sorted(started_on) == list(range(6))
+    # Iteration j trains at version j on rows of version >= served at its start.
+    assert all(j - served <= staleness for j, served in started_on.items()), started_on
+    assert max(j - served for j, served in started_on.items()) == 1  # it does overlap
+
+
+def test_a_sync_and_a_training_step_never_share_the_policy():
+    pipeline = Pipeline(2, "overlap", 1, generated=2, trained=1, served=0)
+    assert pipeline.should_sync() and pipeline.next_training() == 1
+    pipeline.sync_started(0.0)
+    assert pipeline.next_training() is None  # it waits for the sync
+    pipeline.sync_done(1, 1.0)
+    pipeline.training_started(1, 1.0)
+    assert not pipeline.should_sync()
+
+
+def test_a_failed_sync_waits_for_the_generation_that_replaces_the_engine():
+    pipeline = Pipeline(3, "in_flight", 1, generated=1, trained=1, generating=1)
+    pipeline.start(0.0)
+    pipeline.sync_started(0.0)
+    assert pipeline.sync_failed(1.0)  # the generation's retry replaces the engine
+    assert not pipeline.should_sync()
+    pipeline.generation_done(2.0)
+    assert pipeline.should_sync()
+    idle = Pipeline(3, "sync", 0, generated=1, trained=1)
+    idle.start(0.0)
+    idle.sync_started(0.0)
+    assert not idle.sync_failed(1.0)  # no generation will replace it: the caller raises
+
+
+def test_idle_seconds_of_engines_and_policy():
+    pipeline = Pipeline(2, "sync", 0)
+    pipeline.start(0.0)
+    pipeline.generation_started(0, 0.0)
+    pipeline.generation_done(4.0)
+    pipeline.training_started(0, 4.0)
+    pipeline.training_done(1, 6.0)
+    pipeline.sync_started(6.0)
+    pipeline.sync_done(1, 7.0)
+    pipeline.generation_started(1, 7.0)
+    pipeline.generation_done(11.0)
+    pipeline.training_started(1, 11.0)
+    assert pipeline.engine_idle_s == {0: 0.0, 1: 3.0}  # train + sync
+    assert pipeline.policy_idle_s == {0: 4.0, 1: 4.0}  # generation 0; generation 1
+
+
+def test_a_plain_run_only_generates():
+    pipeline = Pipeline(2, trains=False)
+    pipeline.start(0.0)
+    assert drain(pipeline) == ["gen 0", "/gen", "gen 1", "/gen"]
+
+
+@pytest.mark.parametrize(
+    "schedule, staleness, message",
+    [
+        ("sync", 1, "max_staleness 0, got 1"),
+        ("overlap", 0, "needs max_staleness >= 1, got 0"),
+        ("lockstep", 0, "'lockstep'"),
+    ],
+)
+def test_bad_schedules_are_named(schedule, staleness, message):
+    with pytest.raises(ValueError, match=message):
+        Pipeline(2, schedule, staleness)
