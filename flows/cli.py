@@ -61,10 +61,6 @@ DEMO_PRESET: dict[str, Any] = {
     "num_engines": 1,
 }
 
-#: The local Prefect server's niceness when a local Ray starts beside it (see
-#: `lifetime.LocalPrefect`).
-SERVER_NICENESS = 5
-
 STOPPED_EXIT = {"SIGTERM": 143, "SIGINT": 130}  # 128 + the signal, as a shell reports it
 
 
@@ -184,11 +180,6 @@ def local_ray_cpus(params: RolloutParams) -> int:
     return params.local_num_cpus or max(os.cpu_count() or 1, needed)
 
 
-def local_ray(params: RolloutParams) -> bool:
-    """Whether the run starts a Ray of its own (no cluster address given)."""
-    return not (params.address or os.environ.get(RAY_ADDRESS))
-
-
 def start_ray(params: RolloutParams) -> bool:
     """Start the run's local Ray, or connect to its cluster, here in the main
     thread, so that the CLI owns the signal handling and ends the connection;
@@ -196,8 +187,8 @@ def start_ray(params: RolloutParams) -> bool:
     lifetime.quiet_ray_signal_handlers()
     import ray
 
-    if not local_ray(params):
-        address = params.address or os.environ.get(RAY_ADDRESS)
+    address = params.address or os.environ.get(RAY_ADDRESS)
+    if address:
         # The job's runtime_env ships the run's code to nodes without it: the
         # flow, finding Ray connected, does not connect again.
         from tasks.cluster import code_runtime_env
@@ -284,17 +275,19 @@ def main(argv: list[str] | None = None) -> int:
     ray_here = False
     in_run = False
     try:
-        # Everything the run needs before its flow starts, started together:
-        # the Prefect server (its own process, on the other core), then Ray,
-        # then, while the server comes up, Prefect's imports here, the tiny
-        # model's first build and the engine backend's imports.
-        if not os.environ.get(PREFECT_API_URL):
-            server = lifetime.LocalPrefect(SERVER_NICENESS if local_ray(params) else 0)
-            os.environ[PREFECT_API_URL] = server.api_url
+        # Ray first, alone: started beside the Prefect server on a loaded
+        # 2-core box, the raylet came near (and on busier days missed) its
+        # fixed 30 s registration deadline (ray/_private/node.py), and a
+        # server niced to spare Ray came up later still (docs/benchmarks.md).
+        # The server comes up while Prefect is imported here, the tiny model
+        # is built on first use and the engine backend is imported.
         ray_here = start_ray(params)
         ray_s = time.monotonic() - began
         signals.install()  # ray.init took SIGTERM
         signals.check()
+        if not os.environ.get(PREFECT_API_URL):
+            server = lifetime.LocalPrefect()
+            os.environ[PREFECT_API_URL] = server.api_url
         from flows.rollout import rollout  # imports Prefect: after the checks, which are instant
 
         if server is not None:

@@ -127,30 +127,23 @@ def quiet_ray_signal_handlers() -> None:
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _die_with_parent(parent: int, niceness: int) -> None:
-    """preexec_fn of a child: SIGKILL when the parent dies, no SIGINT
+def _die_with_parent(parent: int) -> None:
+    """preexec_fn of a child: SIGKILL when the parent dies, and no SIGINT
     (Ctrl-C reaches the whole process group; the CLI stops the run first and
-    then its children), and `niceness` added to its scheduling priority."""
+    then its children)."""
     if _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         os._exit(127)
     if os.getppid() != parent:  # the parent died before prctl
         os._exit(0)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    if niceness:
-        os.nice(niceness)
 
 
 class LocalPrefect:
     """A Prefect API server for one CLI run, a child of the CLI that dies
     with it. Its database lives in PREFECT_HOME, shared by the runs of a
-    checkout (SQLite takes several servers; each has its own port).
+    checkout (SQLite takes several servers; each has its own port)."""
 
-    `niceness`: started beside a local Ray, the server yields the CPU to it:
-    Ray's raylet must register within a fixed 30 s (`raylet_start_wait_time_s`
-    in ray/_private/node.py) and missed it on a loaded 2-core box when the
-    server's start-up took the other core at equal priority."""
-
-    def __init__(self, niceness: int = 0) -> None:
+    def __init__(self) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(128)
@@ -175,7 +168,7 @@ class LocalPrefect:
             # As Prefect's own ephemeral server: no UI, no background services.
             env={**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
             pass_fds=(fd,),
-            preexec_fn=lambda: _die_with_parent(parent, niceness),
+            preexec_fn=lambda: _die_with_parent(parent),
             stdin=subprocess.DEVNULL,
         )
 
