@@ -2,13 +2,23 @@
 CLI's default run (what `make run` starts), with where the time goes. Not a
 test: it reports numbers.
 
-    python benchmarks/first_row.py [--repeats 3] [-- CLI ARGS...]
+    python benchmarks/first_row.py [--repeats 3] [--compare CHECKOUT] [-- CLI ARGS...]
+
+With --compare, the CLI of another checkout (e.g. `git worktree add /tmp/base
+main`) runs too, alternating with this one, so that both see the same load;
+the table then puts them side by side with their ratio. The load average
+(`uptime`'s) is printed before each run: on a shared box the figures mean
+little without it.
 
 Each repeat runs `python -m flows.cli` as a user would (its own local Ray and
 Prefect server; a Prefect home of its own, kept across repeats as a checkout's
 `.prefect-home` is). The breakdown comes from the CLI's start-up line and the
 run's log timestamps: Ray up, Prefect server up, the flow's first log line,
-engines ready, first row on disk, end.
+engines ready, first row on disk, end. Then the CPU seconds each process of
+the run used (the CLI, its Prefect server, Ray's own processes, each actor
+kind), read from /proc every quarter second: unlike the wall times these
+hardly depend on the box's load, and on 2 cores their sum bounds the run's
+wall time from below (sum / 2).
 """
 
 from __future__ import annotations
@@ -25,6 +35,11 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from flows.lifetime import descendants  # noqa: E402 - after the path above
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 #: (phase, pattern of the log line that ends it)
 MARKS = [
@@ -35,7 +50,49 @@ LOG_TIME = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \|")
 
 
 def first_row(out: Path) -> bool:
-    return any(p.stat().st_size > 0 for p in out.glob("*/iter-000/shard-*.jsonl"))
+    return any(p.stat().st_size > 0 for p in out.glob("*/iter-000/shard-*"))
+
+
+def role(pid: int) -> str | None:
+    """What a process of the run is, from its command line (a Ray worker's
+    title names its actor class: `ray::HFEngine.generate_text`)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    line = b" ".join(argv).decode(errors="replace")
+    if line.startswith("ray::"):
+        return "ray " + line.split()[0].removeprefix("ray::").split(".")[0]
+    for needle, name in [
+        ("uvicorn", "prefect server"),
+        ("gcs_server", "ray gcs"),
+        ("raylet/raylet", "ray raylet"),
+        ("dashboard.py", "ray dashboard head"),
+        ("log_monitor.py", "ray log monitor"),
+        ("default_worker.py", "ray worker (starting)"),
+    ]:
+        if needle in line:
+            return name
+    return "other"
+
+
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def sample_cpu(root: int, seen: dict[int, tuple[str, float]]) -> None:
+    """The latest role and CPU seconds of `root` and every process under it."""
+    for pid in [root, *descendants(root)]:
+        name = "cli (driver)" if pid == root else role(pid)
+        used = cpu_seconds(pid)
+        if name is not None and used is not None:
+            if name == "ray worker (starting)" and pid in seen:
+                name = seen[pid][0]  # a worker's title comes after its start
+            seen[pid] = (name, used)
 
 
 def clock(line: str, day: datetime) -> float | None:
@@ -46,7 +103,7 @@ def clock(line: str, day: datetime) -> float | None:
     return datetime.combine(day.date(), t).timestamp()
 
 
-def one_run(cli_args: list[str], prefect_home: Path) -> dict[str, float]:
+def one_run(repo: Path, cli_args: list[str], prefect_home: Path) -> dict[str, float]:
     out = Path(tempfile.mkdtemp(prefix="first-row-out-"))
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
     env |= {"PREFECT_HOME": str(prefect_home), "RAY_AUTH_MODE": "disabled"}
@@ -55,21 +112,31 @@ def one_run(cli_args: list[str], prefect_home: Path) -> dict[str, float]:
     with log_path.open("w") as log:
         cli = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "--output-dir", str(out / "runs"), *cli_args],
-            cwd=REPO,
+            cwd=repo,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         row_s = None
+        seen: dict[int, tuple[str, float]] = {}
+        sampled = 0.0
         while cli.poll() is None:
             if row_s is None and first_row(out / "runs"):
                 row_s = time.monotonic() - t0
+            if time.monotonic() - sampled > 0.25:
+                sample_cpu(cli.pid, seen)
+                sampled = time.monotonic()
             time.sleep(0.02)
     end_s = time.monotonic() - t0
     text = log_path.read_text()
     if cli.returncode != 0:
-        raise SystemExit(f"the CLI failed ({cli.returncode}):\n{text[-3000:]}")
+        # On a loaded box a local Ray can miss its start-up deadline: counted, not fatal.
+        print(f"the CLI failed ({cli.returncode}):\n{text[-1500:]}", flush=True)
+        return {}
     figures = {"first row": row_s or end_s, "end": end_s}
+    for name, used in seen.values():
+        figures[f"cpu: {name}"] = figures.get(f"cpu: {name}", 0.0) + used
+    figures["cpu: all"] = sum(used for _, used in seen.values())
     if m := re.search(r"started here in ([\d.]+) s", text):
         figures["ray up"] = float(m.group(1))
     if m := re.search(r"ready after ([\d.]+) s", text):
@@ -83,27 +150,51 @@ def one_run(cli_args: list[str], prefect_home: Path) -> dict[str, float]:
     return figures
 
 
+ORDER = ["ray up", "prefect up", "flow started", "engines ready", "first row", "end"]
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare", type=Path, help="another checkout, run alternately")
     parser.add_argument("cli_args", nargs="*", help="after --: arguments of the CLI")
     args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="first-row-prefect-"))
-    runs = []
+    checkouts = {"this": REPO} | ({"compare": args.compare.resolve()} if args.compare else {})
+    homes = {name: Path(tempfile.mkdtemp(prefix="first-row-prefect-")) for name in checkouts}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for i in range(args.repeats):
-        runs.append(one_run(args.cli_args, home))
-        print(f"run {i}: " + ", ".join(f"{k} {v:.1f} s" for k, v in runs[-1].items()), flush=True)
-    load = os.getloadavg()
-    print(f"\n{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print(f"CLI args: {' '.join(args.cli_args) or '(none: the demo)'}")
-    print(f"{'seconds from the command':<26} {'median':>7} {'min':>7} {'max':>7}")
-    order = ["ray up", "prefect up", "flow started", "engines ready", "first row", "end"]
-    for name in order:
-        values = [r[name] for r in runs if name in r]
-        if values:
-            print(
-                f"{name:<26} {statistics.median(values):7.1f} {min(values):7.1f} {max(values):7.1f}"
+        for name, repo in checkouts.items():
+            before = load()
+            runs[name].append(one_run(repo, args.cli_args, homes[name]))
+            figures = ", ".join(
+                f"{k} {v:.1f} s" for k, v in runs[name][-1].items() if not k.startswith("cpu")
             )
+            print(f"run {i} ({name}: {repo}), load {before} -> {load()}: {figures}", flush=True)
+    print(f"\n{os.cpu_count()} CPUs, load average now {load()}")
+    for name, rs in runs.items():
+        if failed := sum(not r for r in rs):
+            print(f"{name}: {failed} of {len(rs)} runs failed (left out below)")
+    print(f"CLI args: {' '.join(args.cli_args) or '(none: the demo)'}")
+    header = f"{'median seconds from the command':<32}" + "".join(f"{n:>9}" for n in checkouts)
+    print(header + (f"{'ratio':>8}" if args.compare else ""))
+    cpu = sorted({k for rs in runs.values() for r in rs for k in r if k.startswith("cpu")})
+    for phase in ORDER + cpu:
+        medians = [
+            statistics.median(values) if (values := [r[phase] for r in rs if phase in r]) else None
+            for rs in runs.values()
+        ]
+        if all(m is None for m in medians):
+            continue
+        line = f"{phase:<32}" + "".join(
+            f"{m:9.1f}" if m is not None else f"{'':>9}" for m in medians
+        )
+        if args.compare and None not in medians:
+            line += f"{medians[0] / medians[1]:8.2f}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ from engines.env import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: The demo prompts, packaged with `flows` (a link to data/prompts.jsonl in a
-#: checkout; a copy in a wheel), so the installed command runs anywhere.
+#: The demo's files, packaged with `flows` (links to data/ in a checkout;
+#: copies in a wheel), so the installed command runs anywhere: the plain
+#: job's prompts, and the demo's labelled task (`training.letter_task`, kind
+#: repeat).
 PACKAGED_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
+PACKAGED_TASK = Path(__file__).resolve().parent / "demo" / "letter_repeat.jsonl"
 
 
 def local_prefect_home() -> Path:
