@@ -82,8 +82,9 @@ def rendezvous_store(info: GroupInfo, rank: int, listener: socket.socket | None 
             timeout=timedelta(seconds=info.timeout_s),
             wait_for_workers=True,
             master_listen_fd=fd,
-            # As vLLM's StatelessProcessGroup: libuv's server mishandled a
-            # listen fd handed in (https://github.com/pytorch/pytorch/pull/150215).
+            # As vLLM's StatelessProcessGroup.create, which keeps libuv off
+            # "for now" when handing in a listen fd:
+            # https://github.com/pytorch/pytorch/pull/150215
             use_libuv=False,
         )
     except BaseException:

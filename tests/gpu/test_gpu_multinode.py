@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "flows"))
 from cluster_support import ProcessCluster  # noqa: E402
 
+PROMPTS = ROOT / "data" / "prompts.jsonl"
 WORKER = "gpu-worker"
 #: A driver without rolloutflow: can the worker import it, which node is the
 #: worker, and where did the run's actors (named rf-<run id>-...) live.
@@ -93,6 +94,7 @@ def test_flow_runs_an_engine_on_a_second_node_without_rolloutflow(two_nodes, gpu
         "--plain",
         "--backend", "vllm",
         "--model", gpu_model,
+        "--prompts-path", str(PROMPTS),
         "--address", nodes.address,
         "--num-engines", "2",  # one GPU per node: one engine on each
         "--max-len", "1024",
@@ -117,7 +119,7 @@ def test_flow_runs_an_engine_on_a_second_node_without_rolloutflow(two_nodes, gpu
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     (run_dir,) = out.iterdir()
-    prompts = (ROOT / "data" / "prompts.jsonl").read_text().splitlines()
+    prompts = PROMPTS.read_text().splitlines()
     rows = [
         json.loads(line)
         for path in sorted(run_dir.rglob("shard-*.jsonl"))

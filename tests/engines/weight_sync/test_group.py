@@ -17,7 +17,7 @@ import torch
 
 from engines.weight_sync.config import GroupInfo, new_secret
 from engines.weight_sync.errors import WeightTransferError
-from engines.weight_sync.group import WeightGroup, listen
+from engines.weight_sync.group import WeightGroup, free_port, listen
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
@@ -70,7 +70,8 @@ def broadcast(groups: dict[int, WeightGroup], tensor: torch.Tensor) -> dict[int,
 
 
 def test_rendezvous_listens_on_the_given_address_only():
-    info = GroupInfo("127.0.0.1", listen_port := _free(), 2, "bound", "gloo", TIMEOUT_S)
+    """Rank 0 given no socket binds one itself, to the group's address."""
+    info = GroupInfo("127.0.0.1", listen_port := free_port(), 2, "bound", "gloo", TIMEOUT_S)
     groups = form(info, (0, 1))
     try:
         assert all(isinstance(g, WeightGroup) for g in groups.values()), groups
@@ -81,11 +82,6 @@ def test_rendezvous_listens_on_the_given_address_only():
     finally:
         for group in groups.values():
             group.destroy()
-
-
-def _free() -> int:
-    with listen("127.0.0.1") as sock:
-        return sock.getsockname()[1]
 
 
 def test_a_stranger_claiming_a_rank_gets_nothing():
@@ -133,7 +129,7 @@ def test_a_stranger_claiming_a_rank_gets_nothing():
 
 
 def test_a_member_with_another_secret_cannot_join():
-    info = GroupInfo("127.0.0.1", _free(), 2, "sealed", "gloo", 2.0, new_secret())
+    info = GroupInfo("127.0.0.1", free_port(), 2, "sealed", "gloo", 2.0, new_secret())
     impostor = GroupInfo("127.0.0.1", info.master_port, 2, "sealed", "gloo", 2.0, new_secret())
     joined: dict[int, WeightGroup | Exception] = {}
     threads = [
