@@ -60,7 +60,9 @@ def role(pid: int) -> str | None:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-    line = b" ".join(argv).decode(errors="replace")
+    line = b" ".join(argv).decode(errors="replace").strip()
+    if not line:  # a zombie's: it keeps the role it had
+        return None
     if line.startswith("ray::"):
         return "ray " + line.split()[0].removeprefix("ray::").split(".")[0]
     for needle, name in [
@@ -69,6 +71,8 @@ def role(pid: int) -> str | None:
         ("raylet/raylet", "ray raylet"),
         ("dashboard.py", "ray dashboard head"),
         ("log_monitor.py", "ray log monitor"),
+        ("autoscaler/_private/monitor.py", "ray monitor"),
+        ("-S -c", "cli's reaper"),
         ("default_worker.py", "ray worker (starting)"),
     ]:
         if needle in line:
