@@ -47,29 +47,16 @@ logger = logging.getLogger(__name__)
 # from this module without paying their import (seconds on a CPU box, on the
 # start-up's critical path before the actor even existed).
 torch: Any = None
-AutoModelForCausalLM: Any = None
-AutoTokenizer: Any = None
-transformers_logging: Any = None
-find_stop: Any = None
-logprob_entry: Any = None
-processed_logits: Any = None
-sample_token: Any = None
+transformers: Any = None
+hf_sampling: Any = None
 
 
 def import_torch() -> None:
-    global torch, AutoModelForCausalLM, AutoTokenizer, transformers_logging
-    global find_stop, logprob_entry, processed_logits, sample_token
-    import torch as torch_module
-    import transformers
-    from transformers.utils import logging as logging_module
+    global torch, transformers, hf_sampling  # bound by the imports below
+    import torch
+    import transformers.utils.logging
 
     from engines import hf_sampling
-
-    torch, transformers_logging = torch_module, logging_module
-    AutoModelForCausalLM = transformers.AutoModelForCausalLM
-    AutoTokenizer = transformers.AutoTokenizer
-    find_stop, logprob_entry = hf_sampling.find_stop, hf_sampling.logprob_entry
-    processed_logits, sample_token = hf_sampling.processed_logits, hf_sampling.sample_token
 
 
 def torch_dtype(name: str) -> Any:
@@ -130,7 +117,7 @@ class HFEngine(RolloutEngine):
         clock.mark("torch and transformers imports")
         super().__init__(config)
         torch.set_num_threads(env.torch_threads())
-        transformers_logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
         kwargs = dict(config.engine_kwargs)
         check_hf_kwargs(kwargs)
         dtype = kwargs.pop("dtype", "auto")
@@ -144,11 +131,11 @@ class HFEngine(RolloutEngine):
             logger.info("backend 'hf' ignores vLLM engine arguments %s", sorted(kwargs))
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(
             config.pretrain, trust_remote_code=trust_remote_code
         )
         clock.mark("tokenizer")
-        model = AutoModelForCausalLM.from_pretrained(
+        model = transformers.AutoModelForCausalLM.from_pretrained(
             config.pretrain,
             dtype=torch_dtype(dtype),
             trust_remote_code=trust_remote_code,
@@ -468,15 +455,17 @@ class HFEngine(RolloutEngine):
         params = request.params
         too_early = len(seq.token_ids) < params.min_tokens
         banned = self.eos_ids + params.stop_token_ids if too_early else []
-        processed = processed_logits(
+        processed = hf_sampling.processed_logits(
             logits, params, banned=banned, prompt=request.prompt, output=seq.token_ids
         )
-        token = sample_token(processed, params, seq.generator)
+        token = hf_sampling.sample_token(processed, params, seq.generator)
         logprobs = torch.log_softmax(processed if self.processed_logprobs else logits, dim=-1)
         seq.token_ids.append(token)
         seq.cumulative += float(logprobs[token])
         if seq.logprobs is not None:
-            seq.logprobs.append(logprob_entry(logprobs, token, params.logprobs, self._decode_token))
+            seq.logprobs.append(
+                hf_sampling.logprob_entry(logprobs, token, params.logprobs, self._decode_token)
+            )
         if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token  # as vLLM reports it
         elif token in self.eos_ids and not params.ignore_eos:
@@ -491,7 +480,7 @@ class HFEngine(RolloutEngine):
         """As vLLM: the text ends before the stop string (or after it, with
         include_stop_str_in_output); the tokens keep the one that completed it."""
         text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=params.skip_special_tokens)
-        found = find_stop(text, params.stop_strings)
+        found = hf_sampling.find_stop(text, params.stop_strings)
         if found is None:
             return False
         start, stop = found
@@ -509,7 +498,7 @@ class HFEngine(RolloutEngine):
             # Position t's logits predict token t+1; the first token has none.
             logprobs = torch.log_softmax(logits[i, start:-1].float(), dim=-1).cpu()
             request.prompt_logprobs = [None] + [
-                logprob_entry(logprobs[t], token, top, self._decode_token)
+                hf_sampling.logprob_entry(logprobs[t], token, top, self._decode_token)
                 for t, token in enumerate(request.prompt[1:])
             ]
 

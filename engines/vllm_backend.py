@@ -148,9 +148,11 @@ class VLLMEngine(RolloutEngine):
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
         # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
-        self.tokenizer = self.engine.get_tokenizer()
+        # None with skip_tokenizer_init=True (token-id prompts only).
+        self.tokenizer = self.engine.tokenizer
         vocab = self.engine.model_config.get_vocab_size()
-        warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, pad_vocab_size(vocab))
+        if self.tokenizer is not None:
+            warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, pad_vocab_size(vocab))
         # This actor is the engine's front end, as vLLM's API server process
         # is: like it, keep the start-up heap (vLLM, torch, transformers) out
         # of the GC's oldest-generation scans, whose pauses stall the output
@@ -169,6 +171,11 @@ class VLLMEngine(RolloutEngine):
 
     # --- generation -------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError(
+                f"engine {self.config.name} has no tokenizer (skip_tokenizer_init=True): "
+                "send token ids to generate"
+            )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
