@@ -77,7 +77,9 @@ def actor_env_vars(backend: str, bundle_indices: list[int], gpu_fraction: float 
         "TOKENIZERS_PARALLELISM": "false",
         TORCH_THREADS: str(torch_threads()),
     }
-    if backend == "vllm" and len(bundle_indices) > 1:
+    if backend != "vllm":
+        return env
+    if len(bundle_indices) > 1:
         # Only vLLM's Ray executor (TP>1) reads it. vLLM hashes every VLLM_*
         # variable it knows into its torch.compile cache key
         # (`compile_factors` in vllm/envs.py, v0.26.0), so set for TP=1 it
@@ -86,12 +88,12 @@ def actor_env_vars(backend: str, bundle_indices: list[int], gpu_fraction: float 
         env[VLLM_RAY_BUNDLE_INDICES] = ",".join(map(str, bundle_indices))
         if gpu_fraction is not None:
             env[VLLM_RAY_PER_WORKER_GPUS] = str(gpu_fraction)
-        # AsyncLLM talks to its engine-core process in msgpack, which refuses
-        # tensors' metadata, CUDA-IPC handles and functions in collective_rpc
-        # unless pickle is allowed (vllm/v1/serial_utils.py, v0.26.0:
-        # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/serial_utils.py).
-        # The socket is local to the engine; its child process inherits this.
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        # vLLM's own start-up deadline, aligned with ours.
-        env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(ready_timeout_s()))
+    # AsyncLLM talks to its engine-core process in msgpack, which refuses
+    # tensors' metadata, CUDA-IPC handles and functions in collective_rpc
+    # unless pickle is allowed (vllm/v1/serial_utils.py, v0.26.0:
+    # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/serial_utils.py).
+    # The socket is local to the engine; its child process inherits this.
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # vLLM's own start-up deadline, aligned with ours.
+    env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(ready_timeout_s()))
     return env
