@@ -30,8 +30,10 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two workers, a test file each at a time: most of the suite waits on
+# processes it starts (Ray nodes, Prefect servers, engine actors).
 test: venv lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 bench: venv
 	$(BIN)/python benchmarks/weight_sync_cpu.py

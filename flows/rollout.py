@@ -8,6 +8,7 @@ hooks sweep the run's engines by name, from whatever process they run in.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 import ray
 from prefect import flow, get_run_logger
-from prefect.futures import PrefectFuture, as_completed
+from prefect.futures import PrefectConcurrentFuture
 from prefect.runtime import flow_run
 
 from engines.errors import EngineFailure
@@ -49,6 +50,8 @@ from training.rewards import load_reward, start_reward_scorer
 from training.trainer import StepReport
 
 SUMMARY_FILE = "summary.json"
+#: How long the iteration loop waits on its tasks before it looks again.
+STOP_CHECK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,11 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         try:
             if scorer is not None:
                 ray.kill(scorer, no_restart=True)
+            if pool is not None:
+                # A task still running (a generation submitted beside the one
+                # that failed, or under a stop) must not replace the engines
+                # torn down next.
+                pool.close()
             teardown(pool, scope, cluster, policy)
         finally:
             if pool is not None:  # also after a failure: it shows which engine failed
@@ -253,7 +261,7 @@ def run_iterations(
         params.iterations, params.schedule, params.staleness_bound, trains=policy is not None
     )
     generate = generate_rollouts.with_options(retries=params.engine_retries)
-    running: dict[PrefectFuture, tuple[str, int]] = {}
+    running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
     pipeline.start(time.monotonic())
     while not pipeline.done:
         now = time.monotonic()
@@ -271,7 +279,7 @@ def run_iterations(
             plan = generation_plan(params, run_dir, i, on_policy=policy is not None)
             bar = progress.iteration(i, len(prompts) * params.n)
             running[generate.submit(pool, prompts, plan, bar, policy, scorer)] = ("generate", i)
-        future = next(as_completed(list(running)))
+        future = first_done(list(running))
         kind, i = running.pop(future)
         now = time.monotonic()
         if kind == "generate":
@@ -294,6 +302,21 @@ def run_iterations(
                 pipeline.sync_done(synced["version"], now)
                 ledger.syncs[synced["version"] - 1] = synced
         ledger.close_iterations(pipeline)
+
+
+def first_done(futures: list[PrefectConcurrentFuture]) -> PrefectConcurrentFuture:
+    """The first of `futures` to finish, waited for in short slices: the CLI's
+    stop (flows/lifetime.py) arrives in this thread as an asynchronous
+    exception, raised only when the thread runs Python code. Not Prefect's
+    `as_completed(timeout=...)`: its thread timeout is itself an asynchronous
+    exception, which replaces a pending stop."""
+    by_wrapped = {future.wrapped_future: future for future in futures}
+    while True:
+        done, _ = concurrent.futures.wait(
+            by_wrapped, timeout=STOP_CHECK_S, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        if done:
+            return by_wrapped[next(iter(done))]
 
 
 def generation_plan(

@@ -46,6 +46,11 @@ class EngineStats:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
 
 
+class PoolClosedError(RuntimeError):
+    """The run is ending: its engines are being torn down, none is replaced
+    (not an `EngineFailure`, so a task's retry stops here)."""
+
+
 class EnginePool:
     def __init__(self, engines: EngineSet):
         self.engines = engines
@@ -56,6 +61,11 @@ class EnginePool:
         self.failed: dict[int, BaseException] = {}
         # Replaced engines not yet serving, by index: when their replacement began.
         self.replacing_since: dict[int, float] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """The run is ending: from now on no failed engine is replaced."""
+        self.closed = True
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -81,6 +91,10 @@ class EnginePool:
         bundles) or else a new engine (same name, config and bundles) in place
         of each failed one. Returns the replaced indices; `mark_serving` ends
         their replacement once they are up (and synced)."""
+        if self.closed:
+            raise PoolClosedError(
+                f"the run is ending: engines {sorted(self.failed)} are not replaced"
+            )
         replaced = sorted(self.failed)
         for index in replaced:
             stats = self.stats[index]

@@ -99,6 +99,7 @@ def test_no_generation_starts_past_the_staleness_bound(schedule, staleness):
 
 def test_a_sync_and_a_training_step_never_share_the_policy():
     pipeline = Pipeline(2, "overlap", 1, generated=2, trained=1, served=0)
+    pipeline.start(0.0)
     assert pipeline.should_sync() and pipeline.next_training() == 1
     pipeline.sync_started(0.0)
     assert pipeline.next_training() is None  # it waits for the sync
