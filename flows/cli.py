@@ -317,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.shutdown()  # a no-op unless connected
         if server is not None:
+            if handlers := sys.modules.get("prefect.logging.handlers"):
+                # The run's last log lines reach the server before it stops;
+                # sent later, Prefect prints "Error logging to API" after ours.
+                handlers.APILogWorker.drain_all(timeout=5)
             server.stop()
     if stopped_by:
         what = ["the run (Crashed, its engines torn down)" if in_run else "the start-up"]

@@ -176,7 +176,7 @@ def test_policy_node_lost_fails_the_run_and_sweeps_it(driver, tiny_model, tmp_pa
         alive = [a for a in run_actors(run_dir.name) if a["State"] == "ALIVE"]
         on_trainer = [a["ActorClassName"] for a in alive if a["Address"]["NodeID"] == trainer_node]
         killed.extend(on_trainer)
-        if on_trainer == ["ReferencePolicy"]:  # else the test fails below, nothing killed
+        if "ReferencePolicy" in on_trainer:  # else the test fails below, nothing killed
             driver.kill("trainer")
 
     killer = threading.Thread(target=kill_policy_node, daemon=True)
@@ -186,10 +186,15 @@ def test_policy_node_lost_fails_the_run_and_sweeps_it(driver, tiny_model, tmp_pa
     )
     state = rollout(RolloutParams(**params), return_state=True)
     killer.join(timeout=30)
-    assert killed == ["ReferencePolicy"]
+    assert "ReferencePolicy" in killed, killed
     assert state.is_failed(), state.message
     error = state.result(raise_on_failure=False)
-    assert isinstance(error, EngineDeadError) and error.engine == "policy", repr(error)
+    if "RewardScorer" in killed:
+        # The reward actor takes no CPU, so Ray may place it on that node too;
+        # then whichever of the two the run calls first names the failure.
+        assert isinstance(error, EngineDeadError | ray.exceptions.RayActorError), repr(error)
+    else:
+        assert isinstance(error, EngineDeadError) and error.engine == "policy", repr(error)
     nothing_left(str(state.state_details.flow_run_id))
 
 
