@@ -266,6 +266,10 @@ def run_child(args, kind: str, cache: Path, log: Path) -> dict:
                 from engines.startup import vllm_log_phases
 
                 result["vllm_phases"] = {p.name: p.seconds for p in vllm_log_phases(text)}
+                # In a Ray actor vLLM always spawns its engine core (a fresh
+                # interpreter that imports vLLM again); plain may fork.
+                spawned = "Overriding VLLM_WORKER_MULTIPROC_METHOD to 'spawn'" in text
+                result["engine_core_start"] = "spawn" if spawned else "fork"
             return result
     tail = "\n".join(text.splitlines()[-15:])
     return {"error": f"{kind} exited {proc.returncode} without a result (log {log}):\n{tail}"}
@@ -301,6 +305,8 @@ def print_side_by_side(state: str, plain: dict, ours: dict) -> None:
         f"{plain['ready_s'] + plain['first_request_s']:>10.1f}"
         f"{ours['ready_s'] + ours['first_request_s']:>10.1f}{with_first:>12.2f}"
     )
+    if "engine_core_start" in plain:
+        print(f"plain's vLLM engine core was started by {plain['engine_core_start']}; ours: spawn")
     for side, r in (("plain", plain), ("ours", ours)):
         print(f"-- {side} breakdown (s)")
         for name, seconds in r["phases"].items():

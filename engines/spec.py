@@ -10,6 +10,7 @@ openrlhf/trainer/ray/vllm_engine.py, v0.11.2) are resolved here onto ours.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib.util
@@ -136,15 +137,52 @@ def check_hf_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
+#: vLLM's engine-argument dataclasses: `AsyncEngineArgs(EngineArgs)`, both in this file.
+VLLM_ARGS_FILE = ("engine", "arg_utils.py")
+VLLM_ARGS_CLASSES = ("EngineArgs", "AsyncEngineArgs")
+
+
 @functools.cache
 def vllm_engine_fields() -> frozenset[str]:
     """Field names of vLLM's AsyncEngineArgs; empty when vLLM is not installed
-    (then the engine itself rejects a bad one at start-up)."""
-    if importlib.util.find_spec("vllm") is None:
+    (then the engine itself rejects a bad one at start-up).
+
+    Read from vLLM's source, not imported: importing `arg_utils` pulls in most
+    of vLLM and torch (10-15 s, measured on an H200 host), which the driver
+    paid on every engine start before the actors even existed. A source that
+    no longer parses that way falls back to the import."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
         return frozenset()
+    for root in spec.submodule_search_locations or ():
+        path = os.path.join(root, *VLLM_ARGS_FILE)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as source:
+                fields = dataclass_fields(source.read(), VLLM_ARGS_CLASSES)
+            if fields:
+                return fields
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return frozenset(field.name for field in dataclasses.fields(AsyncEngineArgs))
+
+
+def dataclass_fields(source: str, classes: tuple[str, ...]) -> frozenset[str]:
+    """The dataclass fields that the top-level `classes` of `source` declare
+    (annotated class attributes, minus `ClassVar`/`InitVar`, as
+    `dataclasses.fields` counts them); empty when one of the classes is missing."""
+    found: dict[str, set[str]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name in classes:
+            found[node.name] = {
+                statement.target.id
+                for statement in node.body
+                if isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and not re.search(r"\b(ClassVar|InitVar)\b", ast.unparse(statement.annotation))
+            }
+    if set(found) != set(classes):
+        return frozenset()
+    return frozenset().union(*found.values())
 
 
 def check_pretrain(pretrain: str) -> None:

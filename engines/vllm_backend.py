@@ -13,9 +13,11 @@ backend "vllm": CPU code never needs vLLM.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -39,52 +41,64 @@ from engines.startup import OwnLog, actor_clock, vllm_log_phases
 
 logger = logging.getLogger(__name__)
 
-# vLLM's modules, imported by `import_vllm` in the engine actor only: the
-# driver creates the actor from this module without paying vLLM's import
-# (seconds of torch, transformers and vLLM itself, which sat on the start-up's
-# critical path before the actor even existed).
-vllm: Any = None
-pad_vocab_size: Any = None
-RequestOutputKind: Any = None
-UsageContext: Any = None
-freeze_gc_heap: Any = None
-AsyncLLM: Any = None
-VLLMEngineDeadError: Any = None
+
+@dataclass(frozen=True)
+class VLLMApi:
+    """The parts of vLLM this backend uses."""
+
+    vllm: Any
+    pad_vocab_size: Any
+    RequestOutputKind: Any
+    UsageContext: Any
+    freeze_gc_heap: Any
+    AsyncLLM: Any
+    EngineDeadError: Any
 
 
-def import_vllm() -> None:
-    global vllm, pad_vocab_size, RequestOutputKind, UsageContext, freeze_gc_heap, AsyncLLM
-    global VLLMEngineDeadError
+@functools.cache
+def vllm_api() -> VLLMApi:
+    """vLLM, imported on first use: in the engine actor only, so the driver
+    creates the actor from this module without paying vLLM's import (seconds
+    of torch, transformers and vLLM itself, which sat on the start-up's
+    critical path before the actor even existed)."""
     try:
-        import vllm as vllm_module
-        from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size as pad
-        from vllm.sampling_params import RequestOutputKind as OutputKind
-        from vllm.usage.usage_lib import UsageContext as Usage
-        from vllm.utils.gc_utils import freeze_gc_heap as freeze
-        from vllm.v1.engine.async_llm import AsyncLLM as Engine
-        from vllm.v1.engine.exceptions import EngineDeadError as Dead
+        import vllm
+        from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.utils.gc_utils import freeze_gc_heap
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise ImportError(
             f"the vLLM backend needs vLLM ({exc}); install it with: "
             "pip install 'rolloutflow[vllm]', or use backend='hf' (CPU)"
         ) from exc
-    vllm, pad_vocab_size, RequestOutputKind, UsageContext = vllm_module, pad, OutputKind, Usage
-    freeze_gc_heap, AsyncLLM, VLLMEngineDeadError = freeze, Engine, Dead
+    return VLLMApi(
+        vllm=vllm,
+        pad_vocab_size=pad_vocab_size,
+        RequestOutputKind=RequestOutputKind,
+        UsageContext=UsageContext,
+        freeze_gc_heap=freeze_gc_heap,
+        AsyncLLM=AsyncLLM,
+        EngineDeadError=VLLMEngineDeadError,
+    )
 
 
 WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
 
 
-def vllm_sampling_params(value: Any) -> vllm.SamplingParams:
+def vllm_sampling_params(value: Any) -> Any:
     """Our SamplingParams (or a dict, None, or a `vllm.SamplingParams` used as
     is) -> vLLM's, asking for the final output only: `generate` returns whole
     completions, so streaming partial outputs would be wasted work."""
-    if isinstance(value, vllm.SamplingParams):
+    api = vllm_api()
+    if isinstance(value, api.vllm.SamplingParams):
         params = value.clone()
     else:
         # Our fields are vLLM's, by name and meaning.
-        params = vllm.SamplingParams(**SamplingParams.coerce(value).model_dump())
-    params.output_kind = RequestOutputKind.FINAL_ONLY
+        params = api.vllm.SamplingParams(**SamplingParams.coerce(value).model_dump())
+    params.output_kind = api.RequestOutputKind.FINAL_ONLY
     return params
 
 
@@ -112,7 +126,7 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, config: EngineConfig):
         clock = actor_clock()
-        import_vllm()
+        api = vllm_api()
         clock.mark("vLLM imports")
         log = OwnLog()  # vLLM's engine core logs its own start-up split there
         super().__init__(config)
@@ -129,7 +143,7 @@ class VLLMEngine(RolloutEngine):
         kwargs.setdefault("disable_log_stats", True)
         if config.gpu_memory_utilization is not None:  # None: vLLM's default
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        args = vllm.AsyncEngineArgs(
+        args = api.vllm.AsyncEngineArgs(
             model=config.pretrain,
             max_model_len=config.max_len,
             seed=config.seed,
@@ -145,23 +159,23 @@ class VLLMEngine(RolloutEngine):
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         clock.mark("engine arguments")
-        self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        self.engine = api.AsyncLLM.from_engine_args(args, usage_context=api.UsageContext.LLM_CLASS)
         clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
         # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
         # None with skip_tokenizer_init=True (token-id prompts only).
         self.tokenizer = self.engine.tokenizer
         vocab = self.engine.model_config.get_vocab_size()
         if self.tokenizer is not None:
-            warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, pad_vocab_size(vocab))
+            warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, api.pad_vocab_size(vocab))
         # This actor is the engine's front end, as vLLM's API server process
         # is: like it, keep the start-up heap (vLLM, torch, transformers) out
         # of the GC's oldest-generation scans, whose pauses stall the output
         # handler (https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/entrypoints/serve/utils/server_utils.py).
-        freeze_gc_heap()
+        api.freeze_gc_heap()
         logger.info(
             "engine %s: vLLM %s, %s, TP=%d, executor %s",
             config.name,
-            vllm.__version__,
+            api.vllm.__version__,
             config.pretrain,
             config.tensor_parallel_size,
             kwargs["distributed_executor_backend"],
@@ -207,7 +221,7 @@ class VLLMEngine(RolloutEngine):
                 )
             return outputs
 
-    async def _one(self, prompt: list[int], params: vllm.SamplingParams) -> RequestOutput:
+    async def _one(self, prompt: list[int], params: Any) -> RequestOutput:
         request_id = uuid.uuid4().hex
         final = None
         try:
@@ -215,7 +229,7 @@ class VLLMEngine(RolloutEngine):
                 {"prompt_token_ids": prompt}, params, request_id
             ):
                 final = output
-        except VLLMEngineDeadError as exc:
+        except vllm_api().EngineDeadError as exc:
             raise EngineDeadError(
                 f"engine {self.config.name}: vLLM's engine core died: {exc}",
                 engine=self.config.name,
@@ -266,7 +280,7 @@ class VLLMEngine(RolloutEngine):
             num_unfinished_requests=await self.get_num_unfinished_requests(),
             paused=self._admission.closed,
             sleeping=sorted(self._asleep),
-            vllm_version=vllm.__version__,
+            vllm_version=vllm_api().vllm.__version__,
             pid=os.getpid(),
             node_id=ray.get_runtime_context().get_node_id(),
         )
@@ -281,7 +295,7 @@ class VLLMEngine(RolloutEngine):
     async def reset_prefix_cache(self) -> bool:
         # Without prefix caching no KV outlives its request, so there is
         # nothing stale to drop, and vLLM's reset walks every KV block in
-        # Python (v1/core/block_pool.py:784 in v0.26.0) on every sync.
+        # Python (v1/core/block_pool.py in v0.26.0) on every sync.
         if not self.engine.vllm_config.cache_config.enable_prefix_caching:
             return True
         return await self.engine.reset_prefix_cache()
@@ -364,7 +378,7 @@ class VLLMEngine(RolloutEngine):
                 f"took longer than {timeout:g}s",
                 engine=self.config.name,
             ) from exc
-        except VLLMEngineDeadError as exc:
+        except vllm_api().EngineDeadError as exc:
             raise EngineDeadError(
                 f"engine {self.config.name}: vLLM's engine core died: {exc}",
                 engine=self.config.name,

@@ -261,3 +261,16 @@ def test_sleep_frees_gpu_memory_and_wake_up_restores_service(ray_gpu, engines):
     after = ray.get(engine.generate.remote(prompt, GREEDY), timeout=TIMEOUT_S)
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
     assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["sleeping"] == []
+
+
+def test_engine_fields_read_from_source_are_vllms_own():
+    """The driver reads AsyncEngineArgs' fields from vLLM's source (no import):
+    the same set as the imported dataclass has."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from engines import spec
+
+    spec.vllm_engine_fields.cache_clear()
+    assert spec.vllm_engine_fields() == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
