@@ -129,6 +129,9 @@ def run_one(params) -> dict:
         "reward_first": rows[0].mean_reward,
         "reward_last": rows[-1].mean_reward,
         "staleness_max": max(row.staleness_max for row in rows),
+        # The training work done: a step skips samples whose group agreed, so
+        # a schedule whose rows lag learns from more of them per step.
+        "trained_samples": sum(row.trained_samples for row in rows),
         "generate_s": mean("generate_seconds"),
         "train_s": mean("train_seconds"),
         "sync_s": mean("sync_seconds"),
@@ -140,7 +143,7 @@ def run_one(params) -> dict:
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["schedule"] == "sync"), results[0])
     header = (
-        f"{'schedule':<10} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
+        f"{'schedule':<10} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} {'trained':>7} "
         f"{'gen s':>6} {'train s':>7} {'sync s':>6} {'eng idle':>8} {'pol idle':>8}"
     )
     lines = [header]
@@ -149,6 +152,7 @@ def table(results: list[dict]) -> str:
             f"{r['schedule']:<10} {r['steps_per_hour']:>8.0f} "
             f"{r['steps_per_hour'] / base['steps_per_hour']:>6.2f}x "
             f"{r['reward_first']:>5.3f}->{r['reward_last']:<6.3f} {r['staleness_max']:>5} "
+            f"{r['trained_samples']:>7} "
             f"{r['generate_s']:>6.2f} {r['train_s']:>7.2f} {r['sync_s']:>6.3f} "
             f"{r['engine_idle_s']:>8.2f} {r['policy_idle_s']:>8.2f}"
         )

@@ -79,6 +79,9 @@ class TrainingRow:
     mean_reward: float
     reward_std: float
     samples: int
+    #: Samples the step learned from (a non-zero advantage): the step's work,
+    #: which shrinks as groups agree (compare schedules by it).
+    trained_samples: int
     generate_seconds: float
     reward_seconds: float
     train_seconds: float
@@ -108,6 +111,7 @@ class TrainingRow:
             mean_reward=round(step.mean_reward, 4),
             reward_std=round(step.reward_std, 4),
             samples=step.samples,
+            trained_samples=step.trained_samples,
             generate_seconds=report.seconds,
             reward_seconds=report.reward_seconds,
             train_seconds=round(step.seconds, 3),
