@@ -159,6 +159,14 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ceiling(sync: dict) -> float:
+    """The most a pipelined schedule can gain over `sync` at `sync`'s own step
+    times: one iteration costs generate + train + sync one after the other,
+    and at best max(generate, train) + sync when the two overlap."""
+    serial = sync["generate_s"] + sync["train_s"] + sync["sync_s"]
+    return serial / (max(sync["generate_s"], sync["train_s"]) + sync["sync_s"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     schedules = args.schedules.split(",")
@@ -205,9 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     print(f"\n{table(results)}\n(per iteration means; {time.monotonic() - began:.0f} s in all)")
+    sync = next((r for r in results if r["schedule"] == "sync"), None)
+    most = ceiling(sync) if sync else None
+    if most is not None:
+        print(f"ceiling of a pipelined schedule at sync's step times: {most:.2f}x")
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"args": settings, "results": results}, indent=2))
+        report = {"args": settings, "results": results, "ceiling": most}
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

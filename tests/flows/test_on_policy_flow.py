@@ -50,6 +50,21 @@ def on_policy_run(model, output_dir, **overrides) -> RolloutParams:
     return RolloutParams(**small_run(model, output_dir, **settings))
 
 
+def killable_run(model, output_dir, **overrides) -> RolloutParams:
+    """Two iterations of one-prompt shards whose samples run to `max_tokens`:
+    long enough for an engine to be killed while a generation is running."""
+    settings = {
+        "iterations": 2,
+        "shard_size": 1,
+        "shards_per_engine": 1,
+        "max_len": 256,
+        "max_tokens": 64,
+        "ignore_eos": True,
+        **overrides,
+    }
+    return on_policy_run(model, output_dir, **settings)
+
+
 def versions(run_dir, iteration: int) -> set[int]:
     return {row["weight_version"] for row in read_rows(run_dir / f"iter-{iteration:03d}")}
 
@@ -96,16 +111,7 @@ def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tm
     """An engine killed in iteration 1 is replaced and gets the policy's
     current weights first: no row of iteration 1 comes from version 0."""
 
-    params = on_policy_run(
-        tiny_model,
-        tmp_path,
-        iterations=2,
-        shard_size=1,
-        shards_per_engine=1,
-        max_len=256,
-        max_tokens=64,
-        ignore_eos=True,
-    )
+    params = killable_run(tiny_model, tmp_path)
 
     def iteration_1_begun(run_dir: Path) -> bool:
         """a shard of iteration 1"""
@@ -192,18 +198,7 @@ def test_in_flight_with_an_engine_killed_writes_every_rollout_once(ray_local, ti
     generation 1: the retry replaces it, syncs it to the policy's version,
     and every (prompt, sample) is written once, within the staleness bound."""
 
-    params = on_policy_run(
-        tiny_model,
-        tmp_path,
-        schedule="in_flight",
-        iterations=2,
-        n=2,
-        shard_size=1,
-        shards_per_engine=1,
-        max_len=256,
-        max_tokens=48,
-        ignore_eos=True,
-    )
+    params = killable_run(tiny_model, tmp_path, schedule="in_flight", n=2, max_tokens=48)
 
     def version_1_pushed_in_flight(run_dir: Path) -> bool:
         """a row of iteration 1 begun on version 0 and finished on 1"""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from rollout_support import kill_during_iteration, nothing_left, rows_by_prompt
-from test_on_policy_flow import on_policy_run
+from test_on_policy_flow import killable_run
 from test_rollout_flow import artifacts_of
 
 from flows.rollout import rollout
@@ -18,17 +18,7 @@ from tasks.shards import read_rows
 def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tmp_path):
     killed: list[str] = []
     killer = kill_during_iteration(tmp_path, 1, 1, killed)
-    params = on_policy_run(
-        tiny_model,
-        tmp_path,
-        iterations=2,
-        spare_engines=1,
-        shard_size=1,
-        shards_per_engine=1,
-        max_len=256,
-        max_tokens=64,
-        ignore_eos=True,
-    )
+    params = killable_run(tiny_model, tmp_path, spare_engines=1)
     state = rollout(params, return_state=True)
     killer.join(timeout=5)
     assert state.is_completed(), state.message

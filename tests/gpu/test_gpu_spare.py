@@ -2,7 +2,8 @@
 (the engine on one GPU, its spare asleep on another, the policy on a third,
 NCCL sync after every step); the engine is killed during iteration 1, the
 spare is woken and synced to the policy's current weights before it serves,
-and the run completes exactly once. Needs three GPUs."""
+and the run completes exactly once. Needs three GPUs. On two, a rollout job (no
+policy) checks the spare's life cycle on real vLLM."""
 
 from __future__ import annotations
 
@@ -37,27 +38,19 @@ def rows_of(run_dir: Path, iteration: int) -> list[dict]:
     ]
 
 
-def test_killed_engine_is_replaced_by_the_synced_spare(
-    ray_gpu, gpu_model, gpu_count, gpu_baseline, prefect_harness, tmp_path
-):
-    if gpu_count < 3:
-        pytest.skip("engine, spare and policy take a GPU each: needs three GPUs")
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
+def run_killing_engine_0(ray, out: Path, iteration: int, **settings):
+    """A run with one engine and one warm spare whose engine is killed once
+    `iteration` wrote its first shard; returns (state, killed actor name)."""
     from flows.params import RolloutParams
     from flows.rollout import rollout
-    from tasks.artifacts import ENGINES_KEY
 
-    ray = ray_gpu
-    out = tmp_path / "out"
     killed: list[str] = []
 
-    def kill_during_iteration_1():
-        """Kill engine 0 once iteration 1 wrote its first shard."""
+    def kill():
         deadline = time.monotonic() + 400
-        while (shard := next(out.glob("*/iter-001/shard-*"), None)) is None:
-            assert time.monotonic() < deadline, "iteration 1 never began"
+        pattern = f"*/iter-{iteration:03d}/shard-*"
+        while (shard := next(out.glob(pattern), None)) is None:
+            assert time.monotonic() < deadline, f"iteration {iteration} never began"
             time.sleep(0.05)
         namespace = f"rolloutflow-{shard.parents[1].name}"
         names = sorted(
@@ -68,11 +61,10 @@ def test_killed_engine_is_replaced_by_the_synced_spare(
         ray.kill(ray.get_actor(names[-1], namespace=namespace), no_restart=True)
         killed.append(names[-1])
 
-    killer = threading.Thread(target=kill_during_iteration_1, daemon=True)
+    killer = threading.Thread(target=kill, daemon=True)
     killer.start()
     params = RolloutParams(
         prompts_path=str(ROOT / "data" / "prompts.jsonl"),
-        model=gpu_model,
         backend="vllm",
         output_dir=str(out),
         output_format="jsonl",
@@ -81,33 +73,27 @@ def test_killed_engine_is_replaced_by_the_synced_spare(
         max_len=1024,
         gpu_memory_utilization=0.3,
         engine_kwargs={"enforce_eager": True},
-        reward="training.rewards:target_chars_fraction",
-        learning_rate=0.001,
         n=N,
         max_tokens=512,
         ignore_eos=True,  # long enough to be killed mid-iteration
         shard_size=1,
         shards_per_engine=4,
-        iterations=2,
         ready_timeout_s=READY_TIMEOUT_S,
+        **settings,
     )
-    began = time.monotonic()
     state = rollout(params, return_state=True)
     killer.join(timeout=5)
     assert state.is_completed(), state.message
-    assert killed, "the engine was not killed during iteration 1"
-    summary = state.result()
-    run_dir = Path(summary.output_dir)
-    spare = killed[0].rsplit("-", 1)[0] + "-1"
+    assert killed, f"the engine was not killed during iteration {iteration}"
+    return state, killed[0]
 
-    for iteration in (0, 1):  # exactly once: each (prompt, sample) one row
-        rows = rows_of(run_dir, iteration)
-        keys = {(row["prompt_index"], row["sample_index"]) for row in rows}
-        assert len(rows) == len(keys) == PROMPTS * N
-    rows = rows_of(run_dir, 1)
-    assert {row["weight_version"] for row in rows} == {1}
-    by_spare = [row for row in rows if row["engine"] == spare]
-    assert by_spare, "the spare served nothing"
+
+def spare_row(state, spare: str) -> dict:
+    """The spare's row of the run's engine table (a Prefect artifact)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from tasks.artifacts import ENGINES_KEY
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
@@ -118,10 +104,59 @@ def test_killed_engine_is_replaced_by_the_synced_spare(
     (table,) = [a for a in artifacts if a.key == ENGINES_KEY]
     data = table.data if isinstance(table.data, list) else json.loads(table.data)
     row = {r["name"]: r for r in data}[spare]
+    assert row["replaced_by"] == "spare" and row["restarts"] == 1
+    assert 0 < row["replacement_s"] < 30
+    return row
+
+
+def test_killed_engine_is_replaced_by_the_synced_spare(
+    ray_gpu, gpu_model, gpu_count, gpu_baseline, prefect_harness, tmp_path
+):
+    if gpu_count < 3:
+        pytest.skip("engine, spare and policy take a GPU each: needs three GPUs")
+    began = time.monotonic()
+    state, killed = run_killing_engine_0(
+        ray_gpu,
+        tmp_path / "out",
+        1,
+        model=gpu_model,
+        reward="training.rewards:target_chars_fraction",
+        learning_rate=0.001,
+        iterations=2,
+    )
+    run_dir = Path(state.result().output_dir)
+    spare = killed.rsplit("-", 1)[0] + "-1"
+    for iteration in (0, 1):  # exactly once: each (prompt, sample) one row
+        rows = rows_of(run_dir, iteration)
+        keys = {(row["prompt_index"], row["sample_index"]) for row in rows}
+        assert len(rows) == len(keys) == PROMPTS * N
+    rows = rows_of(run_dir, 1)
+    assert {row["weight_version"] for row in rows} == {1}
+    by_spare = [row for row in rows if row["engine"] == spare]
+    assert by_spare, "the spare served nothing"
+    row = spare_row(state, spare)
     print(
         f"\nspare {spare} served {len(by_spare)} rows of iteration 1; replacement "
         f"{row['replacement_s']}s (woken + synced); run {time.monotonic() - began:.0f}s"
     )
-    assert row["replaced_by"] == "spare" and row["restarts"] == 1
-    assert 0 < row["replacement_s"] < 30
+    wait_gpus_released(gpu_baseline)
+
+
+def test_killed_engine_is_replaced_by_the_spare_in_a_rollout_job(
+    ray_gpu, gpu_model, gpu_count, gpu_baseline, prefect_harness, tmp_path
+):
+    """Two GPUs, no policy: the spare's life cycle on real vLLM (asleep on its
+    own GPU, woken when the engine dies, serving the rest exactly once)."""
+    if gpu_count < 2:
+        pytest.skip("the engine and its spare take a GPU each: needs two GPUs")
+    state, killed = run_killing_engine_0(ray_gpu, tmp_path / "out", 0, model=gpu_model)
+    run_dir = Path(state.result().output_dir)
+    spare = killed.rsplit("-", 1)[0] + "-1"
+    rows = rows_of(run_dir, 0)
+    keys = {(row["prompt_index"], row["sample_index"]) for row in rows}
+    assert len(rows) == len(keys) == PROMPTS * N
+    by_spare = [row for row in rows if row["engine"] == spare]
+    assert by_spare, "the spare served nothing"
+    row = spare_row(state, spare)
+    print(f"\nspare {spare} served {len(by_spare)} rows; replacement {row['replacement_s']}s")
     wait_gpus_released(gpu_baseline)
