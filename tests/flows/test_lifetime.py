@@ -4,18 +4,20 @@ caller learns which signal it was."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from rollout_support import REPO, wait_until
 
-from flows.lifetime import Stopped, StopSignals
+from flows.lifetime import LocalPrefect, Stopped, StopSignals
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +111,27 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+def test_the_local_server_runs_only_what_a_run_uses(tmp_path, monkeypatch):
+    """The CLI's Prefect server: its URL is known before it starts, and it
+    runs without automations, the event stream out, block registration or
+    telemetry (what its own API reports as its settings)."""
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    server = LocalPrefect()
+    assert server.api_url == f"http://127.0.0.1:{server.port}/api"
+    with pytest.raises(RuntimeError, match="not started"):
+        server.wait_ready(1)
+    server.start()
+    try:
+        server.wait_ready(300)
+        with urllib.request.urlopen(f"{server.api_url}/admin/settings", timeout=30) as answer:
+            settings = json.load(answer)["server"]
+    finally:
+        server.stop()
+    assert server.process.returncode is not None
+    assert settings["services"]["triggers"]["enabled"] is False
+    assert settings["events"]["stream_out_enabled"] is False
+    assert settings["register_blocks_on_start"] is False
+    assert settings["analytics_enabled"] is False
+    assert settings["services"]["task_run_recorder"]["enabled"] is True
