@@ -139,20 +139,10 @@ def _die_with_parent(parent: int) -> None:
 
 
 #: As Prefect's own ephemeral server: no UI, and of the background services
-#: only those of an ephemeral server (Prefect's `RunInEphemeralServers`: the
-#: event pipeline that records task runs and events).
+#: only those of an ephemeral server (the event pipeline that records task
+#: runs). Turning off more of them (automations, the event stream out, block
+#: registration) saved no measurable CPU (docs/benchmarks.md).
 EPHEMERAL = {"PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-#: What a run does not use, off unless the user's environment says otherwise:
-#: automations (triggers and their actions), the event stream out to
-#: websocket clients, block types (registered at every start; the run stores
-#: no results), telemetry.
-RUN_SERVER_SETTINGS = {
-    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
-    "PREFECT_SERVER_EVENTS_STREAM_OUT_ENABLED": "false",
-    "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": "false",
-    "PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-}
 
 
 class LocalPrefect:
@@ -188,7 +178,7 @@ class LocalPrefect:
                 "--lifespan",
                 "on",
             ],
-            env={**RUN_SERVER_SETTINGS, **os.environ, **EPHEMERAL},
+            env={**os.environ, **EPHEMERAL},
             pass_fds=(fd,),
             preexec_fn=lambda: _die_with_parent(parent),
             stdin=subprocess.DEVNULL,
