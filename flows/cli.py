@@ -261,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The Prefect server and Ray start together: the server's start is
         # mostly imports, on one core, and Ray's start leaves the other idle
-        # much of the time. The server's URL is known before it runs (and
-        # before Prefect is imported here, which reads it once).
+        # much of the time (on a box loaded by other work, Ray alone came up
+        # sooner: docs/benchmarks.md). The server's URL is known before it
+        # runs, and before Prefect is imported here, which reads it once.
         if not os.environ.get(PREFECT_API_URL):
             server = lifetime.LocalPrefect()
             os.environ[PREFECT_API_URL] = server.api_url
