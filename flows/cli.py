@@ -14,6 +14,7 @@ the run uses a local Prefect server that the CLI starts and that ends with it.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -174,7 +175,7 @@ def values_default(name: str) -> Any:
 
 def local_ray_cpus(params: RolloutParams) -> int:
     """Logical CPUs of a local Ray: what provision_cluster would pick."""
-    needed = params.num_engines * params.tensor_parallel_size + int(
+    needed = (params.num_engines + params.spare_engines) * params.tensor_parallel_size + int(
         bool(params.reward) and params.train
     )
     return params.local_num_cpus or max(os.cpu_count() or 1, needed)
@@ -183,49 +184,24 @@ def local_ray_cpus(params: RolloutParams) -> int:
 def start_ray(params: RolloutParams) -> bool:
     """Start the run's local Ray, or connect to its cluster, here in the main
     thread, so that the CLI owns the signal handling and ends the connection;
-    the flow then uses this connection. True: a local Ray started here."""
+    the flow then uses this connection (on a cluster, with the job's
+    runtime_env that ships the run's code). True: a local Ray started here."""
     lifetime.quiet_ray_signal_handlers()
-    import ray
+    from tasks.cluster import connect
 
-    address = params.address or os.environ.get(RAY_ADDRESS)
-    if address:
-        # The job's runtime_env ships the run's code to nodes without it: the
-        # flow, finding Ray connected, does not connect again.
-        from tasks.cluster import code_runtime_env
-
-        ray.init(
-            address=address,
-            namespace="rolloutflow-cli",
-            runtime_env=code_runtime_env(params.runtime_env),
-        )
-        return False
-    ray.init(
-        address="local",
-        num_cpus=local_ray_cpus(params),
-        include_dashboard=False,
-        namespace="rolloutflow-cli",
-        runtime_env=params.runtime_env or None,
-    )
-    lifetime.reap_on_death(lifetime.descendants(os.getpid()))
-    return True
+    started = connect(params.address, local_ray_cpus(params), "rolloutflow-cli", params.runtime_env)
+    if started:
+        lifetime.reap_on_death(lifetime.descendants(os.getpid()))
+    return started
 
 
-def warm_up(params: RolloutParams, ray_here: bool) -> None:
-    """While the Prefect server starts (another process, another core): what
-    the run would do next anyway, at the same cost. The tiny model's first
-    build, and the engine backend's imports (torch, transformers) that
-    `create_engines` makes in this process."""
+def warm_up(params: RolloutParams) -> None:
+    """While the Prefect server starts (another process, another core): the
+    tiny model's first build, which the run would do next anyway."""
     if params.model is None:
         from engines.tiny_model import ensure_tiny_model
 
         ensure_tiny_model()
-    if ray_here:  # the backend depends on the cluster's GPUs
-        from engines.vllm_engine import backend_class, resolve_backend
-
-        try:
-            backend_class(resolve_backend(params.backend))
-        except Exception:  # noqa: BLE001 - the run meets the same error and reports it
-            pass
 
 
 def startup_line(
@@ -283,28 +259,28 @@ def main(argv: list[str] | None = None) -> int:
     ray_here = False
     in_run = False
     try:
-        # Ray first, alone: started beside the Prefect server on a loaded
-        # 2-core box, the raylet came near (and on busier days missed) its
-        # fixed 30 s registration deadline (ray/_private/node.py), and a
-        # server niced to spare Ray came up later still (docs/benchmarks.md).
-        # The server comes up while Prefect is imported here, the tiny model
-        # is built on first use and the engine backend is imported.
+        # The Prefect server and Ray start together: the server's start is
+        # mostly imports, on one core, and Ray's start leaves the other idle
+        # much of the time (on a box loaded by other work, Ray alone came up
+        # sooner: docs/benchmarks.md). The server's URL is known before it
+        # runs, and before Prefect is imported here, which reads it once.
+        if not os.environ.get(PREFECT_API_URL):
+            server = lifetime.LocalPrefect()
+            os.environ[PREFECT_API_URL] = server.api_url
+            server.start()
         ray_here = start_ray(params)
         ray_s = time.monotonic() - began
         signals.install()  # ray.init took SIGTERM
         signals.check()
-        if not os.environ.get(PREFECT_API_URL):
-            server = lifetime.LocalPrefect()
-            os.environ[PREFECT_API_URL] = server.api_url
-        from flows.rollout import rollout  # imports Prefect: after the checks, which are instant
+        from flows.rollout import rollout
 
         if server is not None:
-            warm_up(params, ray_here)
+            warm_up(params)
             server.wait_ready(float(os.environ[PREFECT_STARTUP_TIMEOUT]))
         print(startup_line(params, server, time.monotonic() - began, ray_here, ray_s), flush=True)
         signals.check()
         in_run = True
-        summary = signals.run(lambda: rollout(params))
+        summary = signals.run(lambda: run_flow(rollout, params, local=server is not None))
     except lifetime.Stopped as exc:
         stopped_by = exc.signal_name
     except Exception as exc:  # noqa: BLE001 - the run's log above holds the traceback
@@ -313,14 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stopped_by = None
     finally:
-        import ray
-
-        ray.shutdown()  # a no-op unless connected
         if server is not None:
             if handlers := sys.modules.get("prefect.logging.handlers"):
                 # The run's last log lines reach the server before it stops;
                 # sent later, Prefect prints "Error logging to API" after ours.
                 handlers.APILogWorker.drain_all(timeout=5)
+            server.terminate()  # it stops while Ray does
+        import ray
+
+        ray.shutdown()  # a no-op unless connected
+        if server is not None:
             server.stop()
     if stopped_by:
         what = ["the run (Crashed, its engines torn down)" if in_run else "the start-up"]
@@ -329,7 +307,22 @@ def main(argv: list[str] | None = None) -> int:
         return STOPPED_EXIT[stopped_by]
     print_results(summary)
     print(prefect_ui_hint(os.environ[PREFECT_HOME], summary.run_id, local=server is not None))
+    # The process ends next: its last garbage collection would walk every
+    # object of Prefect, Ray and pyarrow for about a second on a small box.
+    gc.freeze()
     return 0
+
+
+def run_flow(rollout, params: RolloutParams, local: bool):
+    """The flow; on the CLI's own server without flow run heartbeats: they
+    let a long-lived server mark a crashed run, this one ends with the run,
+    and the flow's end waits up to a second for the heartbeat thread."""
+    if not local:
+        return rollout(params)
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        return rollout(params)
 
 
 if __name__ == "__main__":

@@ -138,10 +138,20 @@ def _die_with_parent(parent: int) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
+#: As Prefect's own ephemeral server: no UI, and of the background services
+#: only those of an ephemeral server (the event pipeline that records task
+#: runs). Turning off more of them (automations, the event stream out, block
+#: registration) saved no measurable CPU (docs/benchmarks.md).
+EPHEMERAL = {"PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+
+
 class LocalPrefect:
     """A Prefect API server for one CLI run, a child of the CLI that dies
     with it. Its database lives in PREFECT_HOME, shared by the runs of a
-    checkout (SQLite takes several servers; each has its own port)."""
+    checkout (SQLite takes several servers; each has its own port).
+
+    Its socket is bound here, so its URL is known before it runs: Prefect
+    reads PREFECT_API_URL once, when it is imported; `start` runs it."""
 
     def __init__(self) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -149,6 +159,9 @@ class LocalPrefect:
         self._sock.listen(128)
         self.port = self._sock.getsockname()[1]
         self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
         parent = os.getpid()
         fd = self._sock.fileno()
         self.process = subprocess.Popen(
@@ -165,14 +178,15 @@ class LocalPrefect:
                 "--lifespan",
                 "on",
             ],
-            # As Prefect's own ephemeral server: no UI, no background services.
-            env={**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
+            env={**os.environ, **EPHEMERAL},
             pass_fds=(fd,),
             preexec_fn=lambda: _die_with_parent(parent),
             stdin=subprocess.DEVNULL,
         )
 
     def wait_ready(self, timeout_s: float) -> None:
+        if self.process is None:
+            raise RuntimeError("the local Prefect server was not started")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -188,9 +202,14 @@ class LocalPrefect:
             time.sleep(0.05)
         raise RuntimeError(f"the local Prefect server did not answer within {timeout_s:g} s")
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM), without waiting: `stop` waits."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._sock.close()
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout=timeout_s)

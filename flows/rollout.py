@@ -42,9 +42,10 @@ from tasks.report import (
 )
 from tasks.scope import RunScope
 from tasks.shards import prepare_run_dir, set_aside_iterations, write_atomically
-from tasks.sync_weights import init_weight_sync, sync_weights
-from tasks.train import start_policy, train_on_rollouts
+from tasks.sync_weights import sync_weights
+from tasks.train import train_on_rollouts, wait_for_policy
 from training.config import PolicyConfig
+from training.policy import create_policy_actor
 from training.rewards import absolute as reward_path
 from training.rewards import load_reward, start_reward_scorer
 from training.trainer import StepReport
@@ -147,16 +148,18 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
             engine_kwargs=params.engine_kwargs,
             spare_engines=params.spare_engines,
         )
-        wait_until_ready.with_options(retries=params.engine_retries)(pool, params.ready_timeout_s)
+        # The policy and the reward actor start while the engines start
+        # (after them: the engines' placement group is reserved first), and
+        # iteration 0's generation does not wait for the policy.
+        policy_up = None
         if on_policy:
-            policy = start_policy(
-                policy_config(params, model, pool.engines.backend),
+            policy = create_policy_actor(
+                policy_config(params, model, cluster.backend),
                 name=scope.policy_name,
                 namespace=scope.namespace,
-                num_gpus=1 if pool.engines.backend == "vllm" else 0,
-                ready_timeout_s=params.ready_timeout_s,
+                num_gpus=1 if cluster.backend == "vllm" else 0,
             )
-            init_weight_sync(policy, list(pool.engines))
+            policy_up = wait_for_policy.submit(policy, ready_timeout_s=params.ready_timeout_s)
         if params.reward:
             scorer = start_reward_scorer(
                 reward_path(params.reward),
@@ -164,10 +167,11 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 name=scope.reward_name,
                 namespace=scope.namespace,
             )
+        wait_until_ready.with_options(retries=params.engine_retries)(pool, params.ready_timeout_s)
         ledger = Ledger(training, metrics, metrics_logger)
         looped = time.monotonic()
         with RunProgress() as progress:
-            run_iterations(params, run_dir, pool, prompts, progress, policy, scorer, ledger)
+            run_iterations(params, run_dir, pool, prompts, progress, policy_up, scorer, ledger)
         looped_s = time.monotonic() - looped
         reports = [ledger.reports[i] for i in sorted(ledger.reports)]
         curves = write_curves_png(metrics, run_dir / CURVES_FILE)
@@ -249,40 +253,55 @@ def run_iterations(
     pool: EnginePool,
     prompts: Prompts,
     progress: RunProgress,
-    policy: Any,
+    policy_up: PrefectConcurrentFuture | None,
     scorer: Any,
     ledger: Ledger,
 ) -> None:
     """Generate (-> train -> sync) every iteration, as `params.schedule`
     interleaves them (flows/schedule.py decides, this submits): Prefect task
-    futures on the flow's task runner, so the UI shows the tasks side by side."""
+    futures on the flow's task runner, so the UI shows the tasks side by side.
+
+    `policy_up`: on an on-policy run, the future of the policy's start-up
+    (its handle). Generation does not wait for it; training waits, and the
+    first sync connects the policy to the engines."""
     logger = get_run_logger()
     pipeline = Pipeline(
-        params.iterations, params.schedule, params.staleness_bound, trains=policy is not None
+        params.iterations, params.schedule, params.staleness_bound, trains=policy_up is not None
     )
     generate = generate_rollouts.with_options(retries=params.engine_retries)
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
+    if policy_up is not None:
+        running[policy_up] = ("policy", 0)
+    policy = None  # the handle, once the policy is up
+    connected = False  # a sync went through: the policy knows the engines
     pipeline.start(time.monotonic())
     while not pipeline.done:
         now = time.monotonic()
         if pipeline.should_sync():
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
-            future = sync_weights.submit(policy, list(pool.engines), iteration=made_by)
+            future = sync_weights.submit(
+                policy, list(pool.engines), iteration=made_by, connect=not connected
+            )
             running[future] = ("sync", made_by)
-        if (i := pipeline.next_training()) is not None:
+        if policy is not None and (i := pipeline.next_training()) is not None:
             pipeline.training_started(i, now)
             future = train_on_rollouts.submit(policy, ledger.reports[i].directory, iteration=i)
             running[future] = ("train", i)
         if (i := pipeline.next_generation()) is not None:
             pipeline.generation_started(i, now)
-            plan = generation_plan(params, run_dir, i, on_policy=policy is not None)
+            plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None)
             bar = progress.iteration(i, len(prompts) * params.n)
-            running[generate.submit(pool, prompts, plan, bar, policy, scorer)] = ("generate", i)
+            # Until a sync went through, every engine (a replacement too)
+            # serves the weights it loaded: nothing to sync a replacement to.
+            syncs_to = policy if connected else None
+            running[generate.submit(pool, prompts, plan, bar, syncs_to, scorer)] = ("generate", i)
         future = first_done(list(running))
         kind, i = running.pop(future)
         now = time.monotonic()
-        if kind == "generate":
+        if kind == "policy":
+            policy = future.result()
+        elif kind == "generate":
             ledger.reports[i] = future.result()
             pipeline.generation_done(now)
         elif kind == "train":
@@ -299,6 +318,7 @@ def run_iterations(
                     raise
                 logger.warning("sync of iteration %d's version failed (%s); retried later", i, exc)
             else:
+                connected = True
                 pipeline.sync_done(synced["version"], now)
                 ledger.syncs[synced["version"] - 1] = synced
         ledger.close_iterations(pipeline)

@@ -48,6 +48,11 @@ class Cluster:
 PACKAGES = ("engines", "tasks", "flows", "training")
 #: Never uploaded (gitignore syntax, relative to each package).
 EXCLUDES = ["__pycache__/", "*.pyc"]
+#: A local Ray starts no worker before it is asked for one: by default the
+#: first driver gets one idle worker per CPU, which the run never uses (its
+#: actors each start a worker of their own, for their runtime_env), and which
+#: on a small machine take CPU from the engines' start.
+LOCAL_RAY_CONFIG = {"prestart_worker_first_driver": False}
 #: Set by Ray in the driver of a job (`ray job submit`): the job's config.
 RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
@@ -100,6 +105,7 @@ def connect(
         include_dashboard=False,
         namespace=namespace,
         runtime_env=runtime_env or None,
+        _system_config=dict(LOCAL_RAY_CONFIG),  # ray.init adds to it
     )
     return True
 

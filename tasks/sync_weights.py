@@ -26,12 +26,20 @@ def init_weight_sync(
 
 @task(cache_policy=NO_CACHE, persist_result=False)
 def sync_weights(
-    policy: Any, engines: list[Any], *, iteration: int, timeout_s: float = 600.0
+    policy: Any,
+    engines: list[Any],
+    *,
+    iteration: int,
+    timeout_s: float = 600.0,
+    connect: bool = False,
 ) -> dict[str, Any]:
     """Push the policy's current weights to `engines` (pass the pool's current
-    handles: replaced engines are reconnected and synced). Raises
+    handles: replaced engines are reconnected and synced); `connect`: first
+    connect the policy to them (`init_weight_sync`). Raises
     `WeightSyncError` (recoverable: retry) or `EngineDeadError`."""
     logger = get_run_logger()
+    if connect:
+        init_weight_sync.fn(policy, engines, timeout_s=timeout_s)
     report = get(policy.sync_weights.remote(engines), timeout_s, "policy")
     row = {
         "iteration": iteration,

@@ -1,5 +1,5 @@
-"""Prefect tasks of the trainer: start the policy actor, and one training
-step on an iteration's rollouts (whose rows carry their rewards).
+"""Prefect tasks of the trainer: wait for the policy actor to come up, and
+one training step on an iteration's rollouts (whose rows carry their rewards).
 
 Handles pass between tasks unhashed and unpersisted (`NO_CACHE`,
 `persist_result=False`); a step's result is the policy's `StepReport`.
@@ -16,32 +16,23 @@ from prefect.cache_policies import NO_CACHE
 
 from engines.client import get
 from tasks.shards import read_rows
-from training.config import PolicyConfig
-from training.policy import create_policy_actor
 from training.rollouts import groups_from_rows
 from training.trainer import StepReport
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def start_policy(
-    config: PolicyConfig | dict[str, Any],
-    *,
-    name: str | None = None,
-    namespace: str | None = None,
-    num_gpus: float = 0,
-    ready_timeout_s: float = 600.0,
-) -> Any:
-    """Start the reference policy actor and wait until its model is loaded."""
+def wait_for_policy(policy: Any, *, ready_timeout_s: float = 600.0) -> Any:
+    """Wait until the policy actor (from `create_policy_actor`, which returns
+    at once: the model loads in the actor) is up; returns its handle. One
+    that fails to come up is killed."""
     logger = get_run_logger()
-    config = PolicyConfig.model_validate(config)
     started = time.monotonic()
-    policy = create_policy_actor(config, name=name, namespace=namespace, num_gpus=num_gpus)
     try:
         state = get(policy.health.remote(), ready_timeout_s, "policy")
     except BaseException:
         ray.kill(policy, no_restart=True)
         raise
-    logger.info("policy up in %.1fs: %s", time.monotonic() - started, state)
+    logger.info("policy up after %.1fs more: %s", time.monotonic() - started, state)
     return policy
 
 

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from rollout_support import REPO, wait_until
 
-from flows.lifetime import Stopped, StopSignals
+from flows.lifetime import LocalPrefect, Stopped, StopSignals
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +110,21 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+def test_the_local_server_has_its_url_before_it_runs(tmp_path, monkeypatch):
+    """The CLI's Prefect server: its URL is known (its socket bound) before
+    it starts, so the CLI sets PREFECT_API_URL before importing Prefect."""
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    server = LocalPrefect()
+    assert server.api_url == f"http://127.0.0.1:{server.port}/api"
+    with pytest.raises(RuntimeError, match="not started"):
+        server.wait_ready(1)
+    server.start()
+    try:
+        server.wait_ready(300)
+        with urllib.request.urlopen(f"{server.api_url}/admin/version", timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        server.stop()
+    assert server.process.returncode is not None

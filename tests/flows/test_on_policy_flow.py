@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import ray
 from rollout_support import (
     REPO,
     kill_engine,
@@ -17,6 +18,7 @@ from rollout_support import (
     run_dirs,
     small_run,
     wait_until,
+    written_shards,
 )
 from test_rollout_flow import artifacts_of
 
@@ -85,6 +87,48 @@ def test_on_policy_flow_learns_and_serves_the_synced_weights(ray_local, tiny_mod
     training = [t for t in tables if t.key == "rollout-training"]
     assert len(training) == 1
     nothing_left(summary.run_id)  # engines, placement group and the policy actor
+
+
+@ray.remote(num_cpus=0)
+class CPUHolder:
+    """Holds the CPUs it was created with (its `num_cpus` option) until killed."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_iteration_0_generates_while_the_policy_cannot_start(ray_local, tiny_model, tmp_path):
+    """The policy starts beside the engines, and iteration 0's generation
+    does not wait for it: every CPU but the engine's is held until
+    iteration 0's rollouts are written, so the policy cannot start before."""
+    wait_until(
+        lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
+        60,
+        "the CPUs of earlier tests' actors",
+    )
+    holder = CPUHolder.options(num_cpus=ray.cluster_resources()["CPU"] - 1).remote()
+    ray.get(holder.ready.remote(), timeout=60)
+    released = threading.Event()
+
+    def release_after_iteration_0():
+        wait_until(lambda: written_shards(tmp_path, 0), 300, "a shard of iteration 0")
+        released.set()
+        ray.kill(holder)
+
+    releaser = threading.Thread(target=release_after_iteration_0, daemon=True)
+    releaser.start()
+    try:
+        params = on_policy_run(tiny_model, tmp_path, iterations=2, num_engines=1, shard_size=64)
+        state = rollout(params, return_state=True)
+    finally:
+        ray.kill(holder)
+    assert released.is_set()
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert [step.weight_version for step in summary.training] == [1, 2]
+    run_dir = tmp_path / summary.run_id
+    assert [versions(run_dir, i) for i in range(2)] == [{0}, {1}]
+    nothing_left(summary.run_id)
 
 
 def run_killing_engine_1(params: RolloutParams, tmp_path, when: Callable[[Path], bool]):

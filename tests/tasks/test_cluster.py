@@ -1,8 +1,12 @@
-"""The runtime_env a run gives its job on a cluster (tasks/cluster.py)."""
+"""The runtime_env a run gives its job on a cluster, and the local Ray a run
+starts (tasks/cluster.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import engines
@@ -47,3 +51,26 @@ def test_inside_a_job_that_ships_code_only_the_extra(monkeypatch):
 def test_inside_a_job_without_code_ships_it(monkeypatch):
     monkeypatch.setenv(RAY_JOB_CONFIG, json.dumps({"runtime_env": {"env_vars": {"A": "1"}}}))
     assert "py_modules" in code_runtime_env()
+
+
+def test_a_local_ray_prestarts_no_worker(tmp_path):
+    """`connect` without an address starts a local Ray whose raylet starts
+    workers only on demand (as the raylet reports its config)."""
+    code = (
+        "import ray\n"
+        "from tasks.cluster import connect\n"
+        "assert connect(None, 2, 'test-cluster')\n"
+        "print(ray._private.state.state.get_system_config()['prestart_worker_first_driver'])\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**env, "PREFECT_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "False", done.stdout

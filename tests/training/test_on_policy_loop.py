@@ -21,8 +21,8 @@ from tasks.prompts import PromptRecord
 from tasks.records import rows_for
 from tasks.shards import read_rows, write_atomically
 from tasks.sync_weights import init_weight_sync, sync_weights
-from tasks.train import start_policy, train_on_rollouts
-from training.policy import PolicyConfig
+from tasks.train import train_on_rollouts, wait_for_policy
+from training.policy import PolicyConfig, create_policy_actor
 from training.rewards import start_reward_scorer
 from training.rollouts import StaleRolloutError, groups_from_rows
 
@@ -71,9 +71,8 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
     policy = None
     scorer = start_reward_scorer(REWARD, "batch")
     try:
-        policy = start_policy(
-            PolicyConfig(pretrain=model, learning_rate=3e-2, seed=0), ready_timeout_s=180
-        )
+        policy = create_policy_actor(PolicyConfig(pretrain=model, learning_rate=3e-2, seed=0))
+        wait_for_policy(policy, ready_timeout_s=180)
         ray.get(engines[0].ready.remote(), timeout=180)
         init_weight_sync(policy, engines)
         prompt_ids = [get(engines[0].encode.remote(p), 30) for p in PROMPTS]
