@@ -250,6 +250,16 @@ def print_results(summary) -> None:
         print(f"curves: {summary.curves}")
 
 
+def cores_to_spare() -> bool:
+    """Whether the Prefect server should start beside Ray. Its start is mostly
+    imports on one core, and Ray's leaves the others idle much of the time:
+    together they came up sooner on a quiet 2-core box. On a loaded one, Ray
+    beside the server took twice as long, and its raylet came near (at load
+    15 and more, missed) its fixed 30 s registration deadline
+    (docs/benchmarks.md), so there Ray starts first, alone."""
+    return os.getloadavg()[0] < (os.cpu_count() or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     params = parse_params(argv)
     began = time.monotonic()
@@ -259,16 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     ray_here = False
     in_run = False
     try:
-        # The Prefect server and Ray start together: the server's start is
-        # mostly imports, on one core, and Ray's start leaves the other idle
-        # much of the time (on a box loaded by other work, Ray alone came up
-        # sooner: docs/benchmarks.md). The server's URL is known before it
-        # runs, and before Prefect is imported here, which reads it once.
+        # The server's URL is known before it runs, and before Prefect is
+        # imported here, which reads it once.
         if not os.environ.get(PREFECT_API_URL):
             server = lifetime.LocalPrefect()
             os.environ[PREFECT_API_URL] = server.api_url
-            server.start()
+            if cores_to_spare():
+                server.start()
         ray_here = start_ray(params)
+        if server is not None:
+            server.start()  # a no-op when it started beside Ray
         ray_s = time.monotonic() - began
         signals.install()  # ray.init took SIGTERM
         signals.check()

@@ -162,6 +162,9 @@ class LocalPrefect:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
+        """Run it (once; later calls do nothing)."""
+        if self.process is not None:
+            return
         parent = os.getpid()
         fd = self._sock.fileno()
         self.process = subprocess.Popen(

@@ -121,6 +121,9 @@ def test_the_local_server_has_its_url_before_it_runs(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="not started"):
         server.wait_ready(1)
     server.start()
+    first = server.process
+    server.start()  # the CLI calls it again after Ray when it started it beside Ray
+    assert server.process is first
     try:
         server.wait_ready(300)
         with urllib.request.urlopen(f"{server.api_url}/admin/version", timeout=30) as answer:
