@@ -19,6 +19,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,openrlhf-test]'
 	# OpenRLHF's own code for the drop-in test, without its GPU requirements.
 	$(BIN)/pip install -q --no-deps openrlhf==0.11.2
+	# The runs' Prefect database, migrated here: the migrations took ~15
+	# CPU-seconds of the first `make run` on a 2-core box (docs/benchmarks.md).
+	$(BIN)/prefect server database upgrade -y
 	touch $@
 
 venv: $(BIN)/.installed
