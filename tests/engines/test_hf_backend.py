@@ -244,6 +244,13 @@ def test_pause_keep_freezes_a_request_across_a_sync_and_resumes_it(tiny_model, t
     old = tokens(engine, PROMPT, **greedy)[0]
 
     async def scenario():
+        # The previous call's batch may still be closing (its answer is sent
+        # before the thread clears `_running`): wait until it has, so that
+        # `_running` below is this request's batch.
+        deadline = time.monotonic() + 30
+        while engine._running:
+            assert time.monotonic() < deadline, "the previous batch never closed"
+            await asyncio.sleep(0.01)
         # Hold the model: the generation thread stops at its first forward
         # pass, so the pause surely finds the request in flight.
         engine._model_lock.acquire()

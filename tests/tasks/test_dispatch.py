@@ -49,6 +49,9 @@ def fake_pool(*specs: dict) -> EnginePool:
         for n in names
     ]
     handles = [FakeEngine.remote(n, **spec) for n, spec in zip(names, specs, strict=True)]
+    # Up before the dispatch, whose per-shard deadlines would otherwise also
+    # count the actors' start (seconds on a loaded box).
+    ray.get([handle.__ray_ready__.remote() for handle in handles], timeout=120)
     return EnginePool(
         EngineSet(
             handles,
