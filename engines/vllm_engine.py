@@ -454,6 +454,13 @@ def destroy_engines(
             ray.kill(handle, no_restart=True)
         except ValueError:
             pass
+    for spare in getattr(engines, "spares", []):
+        # A spare stopped before its sleep call ran fails that call; fetched
+        # here, or Ray logs it as an unhandled error once the ref is dropped.
+        try:
+            ray.get(spare.asleep, timeout=1.0)
+        except Exception:  # noqa: BLE001 - any outcome will do
+            pass
     placement = getattr(engines, "placement", None)
     if placement is not None and placement.owns_group:
         try:

@@ -173,7 +173,10 @@ def read_rows(directory: str | Path) -> list[dict[str, Any]]:
     jsonl = sorted(directory.glob("shard-*.jsonl"))
     if jsonl:
         for path in jsonl:
-            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+            # Rows end in "\n" alone: responses keep U+2028, U+0085 and the like
+            # unescaped (ensure_ascii=False), where str.splitlines would break.
+            text = path.read_text(encoding="utf-8")
+            rows += [json.loads(line) for line in text.split("\n") if line]
         return rows
     import pyarrow.parquet as pq
 

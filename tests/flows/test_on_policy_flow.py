@@ -246,11 +246,7 @@ def test_in_flight_with_an_engine_killed_writes_every_rollout_once(ray_local, ti
 
     def version_1_pushed_in_flight(run_dir: Path) -> bool:
         """a row of iteration 1 begun on version 0 and finished on 1"""
-        return any(
-            json.loads(line)["weight_versions"] == [0, 1]
-            for shard in run_dir.glob("iter-001/shard-*.jsonl")
-            for line in shard.read_text().splitlines()
-        )
+        return any(row["weight_versions"] == [0, 1] for row in read_rows(run_dir / "iter-001"))
 
     state = run_killing_engine_1(params, tmp_path, version_1_pushed_in_flight)
     summary = state.result()

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from gpu_helpers import wait_gpus_released
 
+from tasks.shards import read_rows
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,11 +64,7 @@ def test_flow_cli_with_the_vllm_backend(ray_gpu, gpu_model, gpu_count, gpu_basel
     (run_dir,) = (tmp_path / "out").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rows"] == expected
-    rows = [
-        json.loads(line)
-        for path in sorted(run_dir.rglob("shard-*.jsonl"))
-        for line in path.read_text().splitlines()
-    ]
+    rows = [row for iteration in sorted(run_dir.glob("iter-*")) for row in read_rows(iteration)]
     assert len(rows) == expected
     engines = {row["engine"] for row in rows}
     assert len(engines) == num_engines  # the work was spread over every engine
@@ -103,10 +101,6 @@ def test_on_policy_flow_syncs_over_nccl(ray_gpu, gpu_model, gpu_count, gpu_basel
     print(f"on-policy flow: training table {training}; {summary['seconds']}s")
     assert [step["weight_version"] for step in training] == list(range(1, iterations + 1))
     for i in range(iterations):
-        rows = [
-            json.loads(line)
-            for path in sorted((run_dir / f"iter-{i:03d}").glob("shard-*.jsonl"))
-            for line in path.read_text().splitlines()
-        ]
+        rows = read_rows(run_dir / f"iter-{i:03d}")
         assert rows and {row["weight_version"] for row in rows} == {i}
     wait_gpus_released(gpu_baseline)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tasks.shards import read_rows
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,11 +122,7 @@ def test_flow_runs_an_engine_on_a_second_node_without_rolloutflow(two_nodes, gpu
 
     (run_dir,) = out.iterdir()
     prompts = PROMPTS.read_text().splitlines()
-    rows = [
-        json.loads(line)
-        for path in sorted(run_dir.rglob("shard-*.jsonl"))
-        for line in path.read_text().splitlines()
-    ]
+    rows = [row for iteration in sorted(run_dir.glob("iter-*")) for row in read_rows(iteration)]
     assert len(rows) == len(prompts)
     assert len({row["engine"] for row in rows}) == 2  # both engines served
     after = probe(nodes, f"rf-{run_dir.name}-")

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from gpu_helpers import READY_TIMEOUT_S, wait_gpus_released
 
+from tasks.shards import read_rows
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,11 +33,7 @@ def prefect_harness():
 
 
 def rows_of(run_dir: Path, iteration: int) -> list[dict]:
-    return [
-        json.loads(line)
-        for path in sorted((run_dir / f"iter-{iteration:03d}").glob("shard-*.jsonl"))
-        for line in path.read_text().splitlines()
-    ]
+    return read_rows(run_dir / f"iter-{iteration:03d}")
 
 
 def run_killing_engine_0(ray, out: Path, iteration: int, **settings):

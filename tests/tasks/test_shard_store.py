@@ -81,6 +81,18 @@ def test_write_then_read_back(tmp_path, output_format):
     assert not list((tmp_path / "iter-000").glob(".*"))  # no temporary file left
 
 
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
+def test_responses_with_unicode_line_separators_read_back(tmp_path, output_format):
+    """A random or real model may emit U+2028, U+0085 or U+001C, which JSON
+    leaves unescaped (or escapes) but str.splitlines treats as line ends."""
+    store = ShardStore(tmp_path, output_format)
+    (shard,) = plan_shards(1, 1)
+    text = "a\u2028b\u2029c\x85d\x1ce\rf\ng"
+    rows = [{**row, "response": text} for row in sample_rows(shard)]
+    store.write(shard, rows)
+    assert [row["response"] for row in read_rows(tmp_path)] == [text] * len(rows)
+
+
 def test_partial_files_of_a_killed_attempt_are_removed(tmp_path):
     store = ShardStore(tmp_path, "jsonl")
     partial = tmp_path / ".shard-00000.jsonl.1234abcd.tmp"
