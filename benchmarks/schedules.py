@@ -210,18 +210,23 @@ def main(argv: list[str] | None = None) -> int:
                 out = workdir / "out" / schedule
                 results.append(run_one(params_for(args, schedule, model, prompts, out)))
                 print(f"{schedule}: done ({results[-1]['iterations_s']:.1f} s)", flush=True)
+                # After each run: a command cut at its time limit keeps what ran.
+                report(args, results, time.monotonic() - began)
     finally:
         ray.shutdown()
-    print(f"\n{table(results)}\n(per iteration means; {time.monotonic() - began:.0f} s in all)")
+    return 0
+
+
+def report(args: argparse.Namespace, results: list[dict], seconds: float) -> None:
+    print(f"\n{table(results)}\n(per iteration means; {seconds:.0f} s in all)")
     sync = next((r for r in results if r["schedule"] == "sync"), None)
     most = ceiling(sync) if sync else None
     if most is not None:
-        print(f"ceiling of a pipelined schedule at sync's step times: {most:.2f}x")
+        print(f"ceiling of a pipelined schedule at sync's step times: {most:.2f}x", flush=True)
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        report = {"args": settings, "results": results, "ceiling": most}
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+        data = {"args": settings, "results": results, "ceiling": most}
+        args.json.write_text(json.dumps(data, indent=2))
 
 
 if __name__ == "__main__":
