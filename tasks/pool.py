@@ -113,8 +113,11 @@ class EnginePool:
         finally:
             self._replacing.release()
 
-    def mark_failed(self, index: int, error: BaseException) -> None:
-        if index in self.failed:
+    def mark_failed(self, index: int, error: BaseException, restarts: int | None = None) -> None:
+        """`restarts`: the engine's restart count when the failed work went to
+        it; a failure of an engine since replaced (another task's retry did)
+        leaves its replacement alone."""
+        if index in self.failed or restarts not in (None, self.stats[index].restarts):
             return
         self.failed[index] = error
         self.ready.discard(index)

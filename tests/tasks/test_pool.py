@@ -109,3 +109,14 @@ def test_a_replacement_that_fails_is_replaced_again(fake_pool):
     with fake_pool.replacement(LOGGER, timeout_s=5, wait_s=5) as replaced:
         assert replaced == [1]  # the lock was released; the next try replaces it
     assert fake_pool.engines.replaced == [1, 1] and fake_pool.live() == [0, 1]
+
+
+def test_a_failure_of_the_replaced_engine_leaves_its_replacement_alone(fake_pool):
+    """Two tasks had work on engine 1 when it died; the first one's retry
+    replaced it. The second one's failure, seen late, names the old engine."""
+    with fake_pool.replacement(LOGGER, timeout_s=5, wait_s=5):
+        pass
+    fake_pool.mark_failed(1, EngineDeadError("killed", "rf-test-1"), restarts=0)
+    assert fake_pool.live() == [0, 1] and fake_pool.stats[1].failures == 1
+    fake_pool.mark_failed(1, EngineDeadError("killed again", "rf-test-1"), restarts=1)
+    assert fake_pool.live() == [0]
