@@ -134,9 +134,10 @@ class RolloutParams(BaseModel):
         "sync",
         description="How generation, training and weight sync interleave. 'sync': one after "
         "the other (strictly on-policy). 'overlap': the engines generate iteration i+1 while "
-        "the policy trains on i; the sync runs when both are done. 'in_flight': new weights "
-        "are pushed as soon as the policy has them, into running requests (a row records "
-        "every version it was generated under).",
+        "the policy trains on i; the sync runs when both are done. 'in_flight': up to "
+        "max_staleness + 1 generations run at once, and new weights are pushed as soon as "
+        "the policy has them, into running requests (a row records every version it was "
+        "generated under).",
     )
     max_staleness: int = Field(
         1,

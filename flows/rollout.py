@@ -28,7 +28,7 @@ from flows.schedule import Pipeline
 from tasks.artifacts import publish_engine_table, publish_summary, publish_training_table
 from tasks.cluster import provision_cluster
 from tasks.engines import create_engines, resolve_model, teardown, wait_until_ready
-from tasks.generate import GenerationPlan, IterationReport, generate_rollouts
+from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
 from tasks.loggers import MetricsLogger, check_logger, open_logger
 from tasks.pool import EnginePool
 from tasks.progress import RunProgress
@@ -273,7 +273,9 @@ def run_iterations(
     if policy_up is not None:
         running[policy_up] = ("policy", 0)
     policy = None  # the handle, once the policy is up
-    connected = False  # a sync went through: the policy knows the engines
+    # Set once a sync went through (the policy knows the engines): from then
+    # on a replacement engine is synced to it before it serves.
+    connected = PolicyLink()
     pipeline.start(time.monotonic())
     while not pipeline.done:
         now = time.monotonic()
@@ -281,21 +283,18 @@ def run_iterations(
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
             future = sync_weights.submit(
-                policy, list(pool.engines), iteration=made_by, connect=not connected
+                policy, list(pool.engines), iteration=made_by, connect=connected.handle is None
             )
             running[future] = ("sync", made_by)
         if policy is not None and (i := pipeline.next_training()) is not None:
             pipeline.training_started(i, now)
             future = train_on_rollouts.submit(policy, ledger.reports[i].directory, iteration=i)
             running[future] = ("train", i)
-        if (i := pipeline.next_generation()) is not None:
+        while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
             pipeline.generation_started(i, now)
             plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None)
             bar = progress.iteration(i, len(prompts) * params.n)
-            # Until a sync went through, every engine (a replacement too)
-            # serves the weights it loaded: nothing to sync a replacement to.
-            syncs_to = policy if connected else None
-            running[generate.submit(pool, prompts, plan, bar, syncs_to, scorer)] = ("generate", i)
+            running[generate.submit(pool, prompts, plan, bar, connected, scorer)] = ("generate", i)
         future = first_done(list(running))
         kind, i = running.pop(future)
         now = time.monotonic()
@@ -303,7 +302,7 @@ def run_iterations(
             policy = future.result()
         elif kind == "generate":
             ledger.reports[i] = future.result()
-            pipeline.generation_done(now)
+            pipeline.generation_done(i, now)
         elif kind == "train":
             ledger.steps[i] = step = future.result()
             pipeline.training_done(step.version, now)
@@ -311,14 +310,14 @@ def run_iterations(
             try:
                 synced = future.result()
             except (EngineFailure, WeightSyncError) as exc:
-                # An engine died under the sync: the running generation's
+                # An engine died under the sync: a running generation's
                 # retry replaces it and syncs it (and the others) to the
-                # policy's version; the next sync waits for that generation.
+                # policy's version; the next sync waits for those generations.
                 if not pipeline.sync_failed(now):
                     raise
                 logger.warning("sync of iteration %d's version failed (%s); retried later", i, exc)
             else:
-                connected = True
+                connected.handle = policy
                 pipeline.sync_done(synced["version"], now)
                 ledger.syncs[synced["version"] - 1] = synced
         ledger.close_iterations(pipeline)

@@ -1,18 +1,22 @@
 """When the rollout flow starts each task: pure decisions over what is done
 and what is running, so the flow body only submits and collects.
 
-Three kinds of work: a generation (the engines, one at a time), a training
-step (the policy) and a weight sync (both). With S the staleness bound
-(0 for `sync`):
+Three kinds of work: a generation (the engines), a training step (the
+policy) and a weight sync (both). With S the staleness bound (0 for `sync`):
 
-- generation of iteration j starts when no generation runs and the engines
-  serve version >= j - S;
+- generation of iteration j starts when the engines serve version >= j - S;
+  under `sync` and `overlap` also only when no generation runs, under
+  `in_flight` beside the running ones (the engines batch their requests
+  together). The bound alone limits `in_flight` to S + 1 generations at
+  once: j needs the sync of version j - S, which needs generation j - S - 1
+  written. Generations may finish out of order (a retry after an engine
+  failure), so the pipeline tracks which iterations are written;
 - training on iteration j starts when its rollouts are written and the
   policy has trained on j - 1;
 - a sync of the policy's newest version starts after a training step:
   `sync` and `overlap` when no generation runs (the engines are idle),
-  `in_flight` at once, under a running generation (its requests freeze and
-  continue on the new weights; their rows record both versions).
+  `in_flight` at once, under the running generations (their requests freeze
+  and continue on the new weights; their rows record both versions).
 
 The policy actor runs one method at a time, so a sync and a training step
 are never submitted together: the sync goes first, as the engines wait for it.
@@ -36,18 +40,20 @@ class Pipeline:
     schedule: Schedule = "sync"
     max_staleness: int = 0
     trains: bool = True
-    #: Iterations whose rollouts are written (in order: one generation at a time).
-    generated: int = 0
-    generating: int | None = None
+    #: Iterations whose rollouts are written.
+    written: set[int] = field(default_factory=set)
+    #: Iterations being generated, and the next one to start.
+    generating: set[int] = field(default_factory=set)
+    next_iteration: int = 0
     #: Training steps done: the policy's version.
     trained: int = 0
     training: int | None = None
     #: The version the engines serve (the newest sync that finished).
     served: int = 0
     syncing: bool = False
-    #: A sync failed while this generation ran (an engine died under it): the
-    #: generation's retry replaces the engine, the next sync waits for it.
-    sync_held_for: int | None = None
+    #: A sync failed while these generations ran (an engine died under them):
+    #: their retries replace the engine, the next sync waits for all of them.
+    sync_held_for: set[int] = field(default_factory=set)
     #: Seconds the engines (no generation) and the policy (neither training
     #: nor syncing) were idle before each iteration's generation / training.
     engine_idle_s: dict[int, float] = field(default_factory=dict)
@@ -69,12 +75,15 @@ class Pipeline:
     # --- decisions ---------------------------------------------------------------
     def next_generation(self) -> int | None:
         """The iteration to generate now, or None."""
-        j = self.generated
-        if self.generating is not None or j >= self.iterations:
+        j = self.next_iteration
+        if j >= self.iterations:
+            return None
+        concurrent = self.trains and self.schedule == "in_flight"
+        if self.generating and not concurrent:
             return None
         if not self.trains:
             return j
-        if self.syncing and self.schedule != "in_flight":
+        if self.syncing and not concurrent:
             return None  # overlap: the sync has the engines to itself
         return j if self.served >= j - self.max_staleness else None
 
@@ -83,22 +92,20 @@ class Pipeline:
         j = self.trained
         if not self.trains or self.training is not None or self.syncing:
             return None
-        return j if j < self.generated else None
+        return j if j in self.written else None
 
     def should_sync(self) -> bool:
         """Whether to push the policy's newest version to the engines now."""
         if not self.trains or self.syncing or self.training is not None:
             return False
-        if self.trained <= self.served:
+        if self.trained <= self.served or self.sync_held_for:
             return False
-        if self.generating is not None:
-            return self.schedule == "in_flight" and self.sync_held_for != self.generating
-        return True
+        return not self.generating or self.schedule == "in_flight"
 
     @property
     def done(self) -> bool:
-        busy = self.generating is not None or self.training is not None or self.syncing
-        finished = self.generated == self.iterations
+        busy = bool(self.generating) or self.training is not None or self.syncing
+        finished = len(self.written) == self.iterations
         if self.trains:
             finished = finished and self.trained == self.iterations == self.served
         return finished and not busy
@@ -108,13 +115,20 @@ class Pipeline:
         self._engines_free_since = self._policy_free_since = now
 
     def generation_started(self, iteration: int, now: float) -> None:
-        self.generating = iteration
-        self.engine_idle_s[iteration] = now - self._engines_free_since
+        if iteration != self.next_iteration:
+            raise RuntimeError(f"generation {iteration} started, {self.next_iteration} was next")
+        # Beside a running generation the engines were not idle.
+        idle = 0.0 if self.generating else now - self._engines_free_since
+        self.engine_idle_s[iteration] = idle
+        self.generating.add(iteration)
+        self.next_iteration += 1
 
-    def generation_done(self, now: float) -> None:
-        self.generated += 1
-        self.generating = None
-        self._engines_free_since = now
+    def generation_done(self, iteration: int, now: float) -> None:
+        self.generating.remove(iteration)
+        self.sync_held_for.discard(iteration)
+        self.written.add(iteration)
+        if not self.generating:
+            self._engines_free_since = now
 
     def training_started(self, iteration: int, now: float) -> None:
         self.training = iteration
@@ -138,12 +152,12 @@ class Pipeline:
         self._policy_free_since = now
 
     def sync_failed(self, now: float) -> bool:
-        """A sync failed. True when a running generation's retry will replace
-        the engine that died (the next sync then waits for that generation);
+        """A sync failed. True when running generations' retries will replace
+        the engine that died (the next sync then waits for all of them);
         False: nothing will, the caller re-raises."""
         self.syncing = False
         self._policy_free_since = now
-        if self.generating is None:
+        if not self.generating:
             return False
-        self.sync_held_for = self.generating
+        self.sync_held_for = set(self.generating)
         return True

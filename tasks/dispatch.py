@@ -38,6 +38,8 @@ class InFlight:
     refs: list[Any]
     started: float
     deadline: float
+    #: The engine's restart count at the start: which engine at that index.
+    restarts: int
     results: dict[int, Any] = field(default_factory=dict)
 
     @property
@@ -120,7 +122,9 @@ class Dispatcher:
 
     def start(self, engine: int, shard: Shard) -> None:
         now = time.monotonic()
-        flight = InFlight(shard, engine, self.submit(engine, shard), now, now + self.timeout_s)
+        refs = self.submit(engine, shard)
+        restarts = self.pool.stats[engine].restarts
+        flight = InFlight(shard, engine, refs, now, now + self.timeout_s, restarts)
         self.flights.append(flight)
         self.owner.update({ref: (flight, pos) for pos, ref in enumerate(flight.refs)})
         self.busy_since.setdefault(engine, now)
@@ -137,7 +141,7 @@ class Dispatcher:
             try:
                 flight.results[pos] = get(ref, FETCH_TIMEOUT_S, self.pool.name(flight.engine))
             except EngineFailure as exc:
-                self.drop_engine(flight.engine, exc)
+                self.drop_engine(flight, exc)
                 continue
             except RequestError as exc:  # this request is bad: no retry can fix it
                 entry = flight.shard.start + pos
@@ -156,7 +160,7 @@ class Dispatcher:
             if flight in self.flights:  # not dropped with an earlier one of its engine
                 name = self.pool.name(flight.engine)
                 self.drop_engine(
-                    flight.engine,
+                    flight,
                     EngineTimeoutError(
                         f"{name} did not finish shard {flight.shard.index} within "
                         f"{self.timeout_s:g}s",
@@ -172,11 +176,14 @@ class Dispatcher:
             busy = time.monotonic() - self.busy_since.pop(flight.engine)
             self.pool.stats[flight.engine].busy_s += busy
 
-    def drop_engine(self, engine: int, error: EngineFailure) -> None:
-        """Give up on the engine: its unfinished shards are lost whole (never
-        written in part); no new work goes out; the failure is raised at the end."""
+    def drop_engine(self, failed: InFlight, error: EngineFailure) -> None:
+        """Give up on the engine of `failed`: its unfinished shards are lost
+        whole (never written in part); no new work goes out; the failure is
+        raised at the end. The pool marks the engine failed unless another
+        task has replaced it meanwhile (the retry then finds nothing to replace)."""
+        engine = failed.engine
         self.failure = self.failure or error
-        self.pool.mark_failed(engine, error)
+        self.pool.mark_failed(engine, error, failed.restarts)
         for flight in [f for f in self.flights if f.engine == engine]:
             cancel(flight.refs)
             self.settle(flight)

@@ -111,9 +111,8 @@ def wait_ready(pool: EnginePool, timeout_s: float) -> None:
 def wait_until_ready(pool: EnginePool, timeout_s: float) -> dict[str, float | None]:
     """Readiness health check of every engine; returns start-up seconds per engine."""
     logger = get_run_logger()
-    replaced = pool.replace_failed(logger, timeout_s)
-    wait_ready(pool, timeout_s)
-    pool.mark_serving(replaced)
+    with pool.replacement(logger, timeout_s, wait_s=timeout_s):
+        wait_ready(pool, timeout_s)
     startup = {s.name: s.startup_s for s in pool.stats}
     logger.info("engines ready; start-up seconds: %s", startup)
     if pool.engines.spares:

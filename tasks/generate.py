@@ -63,6 +63,18 @@ class IterationReport:
     reward_seconds: float = 0.0
 
 
+class PolicyLink:
+    """An on-policy run's trainer as its generations see it: `handle` is set
+    once a sync has connected it to the engines (before that every engine, a
+    replacement too, serves the weights it loaded). Read when an engine is
+    replaced, not when the task starts: under in_flight a generation may start
+    before the first sync and replace an engine after it. A plain object, so
+    Prefect passes the flow's own instance to the task."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+
+
 @task(
     cache_policy=NO_CACHE,
     persist_result=False,
@@ -74,23 +86,26 @@ def generate_rollouts(
     prompts: Prompts,
     plan: GenerationPlan,
     progress: IterationProgress,
-    policy: Any = None,
+    policy: PolicyLink | None = None,
     scorer: Any = None,
 ) -> IterationReport:
     """`policy`: the trainer of an on-policy run; a replacement engine gets its
-    current weights before any work, so an iteration never mixes versions.
+    current weights before any work, so it never serves an older version.
     `scorer`: a `RewardScorer` actor scoring each shard before it is written."""
     logger = get_run_logger()
     began = time.monotonic()
     # A retry after an engine failure: the dead engine is replaced first (a
     # warm spare woken, or a new engine on its bundle) and must be up, and
-    # serve the policy's current weights, before it gets work.
-    if replaced := pool.replace_failed(logger, plan.ready_timeout_s):
-        wait_ready(pool, plan.ready_timeout_s)
-        if policy is not None:
-            report = get(policy.sync_weights.remote(list(pool.engines)), plan.ready_timeout_s)
+    # serve the policy's current weights, before it gets work. A generation
+    # running beside this one waits here (its replacement's three steps each
+    # have the ready deadline), then finds the engine replaced.
+    with pool.replacement(logger, plan.ready_timeout_s, 3 * plan.ready_timeout_s) as replaced:
+        if replaced:
+            wait_ready(pool, plan.ready_timeout_s)
+        if replaced and policy is not None and policy.handle is not None:
+            sync = policy.handle.sync_weights.remote(list(pool.engines))
+            report = get(sync, plan.ready_timeout_s)
             logger.info("replacement engine synced to weight version %d", report["version"])
-        pool.mark_serving(replaced)
 
     store = ShardStore(plan.directory, plan.output_format, prompts.columns)
     store.remove_partial_files()

@@ -10,12 +10,15 @@ resolves task inputs.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import ray
 
-from engines import EngineSet
+from engines import EngineSet, EngineTimeoutError
 from engines.client import get
 from engines.vllm_engine import replace_engine, swap_in_spare
 
@@ -62,6 +65,8 @@ class EnginePool:
         # Replaced engines not yet serving, by index: when their replacement began.
         self.replacing_since: dict[int, float] = {}
         self.closed = False
+        # Generation tasks run side by side (in_flight): one replaces at a time.
+        self._replacing = threading.Lock()
 
     def close(self) -> None:
         """The run is ending: from now on no failed engine is replaced."""
@@ -74,10 +79,45 @@ class EnginePool:
         return self.engines.names[index]
 
     def live(self) -> list[int]:
-        return [i for i in range(len(self.engines)) if i not in self.failed]
+        """The engines that may get work: not failed, and not a replacement
+        still coming up or being synced (another task's dispatcher must not
+        send it work before it serves the current weights)."""
+        return [
+            i
+            for i in range(len(self.engines))
+            if i not in self.failed and i not in self.replacing_since
+        ]
 
-    def mark_failed(self, index: int, error: BaseException) -> None:
-        if index in self.failed:
+    @contextmanager
+    def replacement(
+        self, logger: logging.Logger | logging.LoggerAdapter, timeout_s: float, wait_s: float
+    ) -> Iterator[list[int]]:
+        """Replace the failed engines (`replace_failed`) and yield their
+        indices: the body brings them up and syncs them; on its exit they
+        serve (`mark_serving`). One task at a time: another waits (at most
+        `wait_s`), then finds them replaced. A body that raises leaves them
+        failed, so the next try replaces them again."""
+        if not self._replacing.acquire(timeout=wait_s):
+            raise EngineTimeoutError(f"another task was still replacing engines after {wait_s:g}s")
+        try:
+            try:
+                replaced = self.replace_failed(logger, timeout_s)
+                yield replaced
+            except BaseException as exc:
+                # Under the lock every replacement in progress is this one's.
+                for index in list(self.replacing_since):
+                    del self.replacing_since[index]
+                    self.mark_failed(index, exc)
+                raise
+            self.mark_serving(replaced)
+        finally:
+            self._replacing.release()
+
+    def mark_failed(self, index: int, error: BaseException, restarts: int | None = None) -> None:
+        """`restarts`: the engine's restart count when the failed work went to
+        it; a failure of an engine since replaced (another task's retry did)
+        leaves its replacement alone."""
+        if index in self.failed or restarts not in (None, self.stats[index].restarts):
             return
         self.failed[index] = error
         self.ready.discard(index)

@@ -43,9 +43,11 @@ class RunProgress:
         self.bars.stop()
 
     def iteration(self, iteration: int, total_rows: int) -> IterationProgress:
-        # One bar on screen: the current iteration's (a long run has many).
-        for bar in self.bars.task_ids:
-            self.bars.update(bar, visible=False)
+        # Bars on screen: the running iterations' (a long run has many;
+        # in_flight runs several at once).
+        for bar in self.bars.tasks:
+            if bar.finished:
+                self.bars.update(bar.id, visible=False)
         return IterationProgress(self, iteration, total_rows)
 
 

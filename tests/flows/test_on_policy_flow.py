@@ -236,27 +236,70 @@ def test_overlap_learns_the_letter_task_within_the_staleness_bound(ray_local, ti
     nothing_left(summary.run_id)
 
 
-def test_in_flight_with_an_engine_killed_writes_every_rollout_once(ray_local, tiny_model, tmp_path):
-    """in_flight: generation 1 runs while the policy trains on 0 and its
-    version is pushed into the running requests. Engine 1 is killed in
-    generation 1: the retry replaces it, syncs it to the policy's version,
-    and every (prompt, sample) is written once, within the staleness bound."""
-
-    params = killable_run(tiny_model, tmp_path, schedule="in_flight", n=2, max_tokens=48)
-
-    def version_1_pushed_in_flight(run_dir: Path) -> bool:
-        """a row of iteration 1 begun on version 0 and finished on 1"""
-        return any(row["weight_versions"] == [0, 1] for row in read_rows(run_dir / "iter-001"))
-
-    state = run_killing_engine_1(params, tmp_path, version_1_pushed_in_flight)
-    summary = state.result()
-    run_dir = tmp_path / summary.run_id
+def engine_rows(state) -> list[dict]:
+    """The run's engine table (artifact)."""
     tables = artifacts_of(state.state_details.flow_run_id)["table"]
     (engines,) = [t for t in tables if t.key == "rollout-engines"]
-    data = engines.data if isinstance(engines.data, list) else json.loads(engines.data)
-    assert sum(row["restarts"] for row in data) == 1  # replaced during iteration 1
+    return engines.data if isinstance(engines.data, list) else json.loads(engines.data)
+
+
+def shard_times(run_dir: Path, iteration: int) -> list[float]:
+    """When each written shard of `iteration` was written (its file's mtime)."""
+    return sorted(path.stat().st_mtime for path in run_dir.glob(f"iter-{iteration:03d}/shard-*"))
+
+
+def generated_side_by_side(run_dir: Path, first: int) -> bool:
+    """Whether generations `first` and `first + 1` ran at once: a shard of
+    the second was written before the last one of the first."""
+    return shard_times(run_dir, first + 1)[0] < shard_times(run_dir, first)[-1]
+
+
+def test_in_flight_with_an_engine_killed_writes_every_rollout_once(ray_local, tiny_model, tmp_path):
+    """in_flight: generations 0 and 1 run at once on version 0 (the bound
+    allows S + 1 = 2); generation 2 starts once version 1 is served, and
+    version 2 is pushed while it runs. Engine 1 is killed in generation 2,
+    after that push: the retry replaces it, syncs it to the policy's version,
+    and every (prompt, sample) is written once, within the staleness bound."""
+
+    params = killable_run(
+        tiny_model, tmp_path, schedule="in_flight", iterations=3, n=2, max_tokens=48
+    )
+
+    def version_2_pushed_in_flight(run_dir: Path) -> bool:
+        """a row of iteration 2 on version 2, with shards of it left"""
+        if len(list(run_dir.glob("iter-002/shard-*.jsonl"))) >= 24:
+            return False
+        return any(2 in row["weight_versions"] for row in read_rows(run_dir / "iter-002"))
+
+    state = run_killing_engine_1(params, tmp_path, version_2_pushed_in_flight)
+    summary = state.result()
+    run_dir = tmp_path / summary.run_id
+    assert sum(row["restarts"] for row in engine_rows(state)) == 1  # replaced in iteration 2
+    for i in range(3):
+        assert len(rows_by_prompt(read_rows(run_dir / f"iter-{i:03d}"))) == 32 * 2
+    assert staleness_of_rows(run_dir, 3) == {0: 0, 1: 1, 2: 1}
+    assert summary.training[-1].weight_version == 3
+    assert generated_side_by_side(run_dir, 0)
+    assert summary.training[1].engine_idle_seconds == 0.0  # it started beside generation 0
+    nothing_left(summary.run_id)
+
+
+def test_in_flight_engine_killed_under_two_generations(ray_local, tiny_model, tmp_path):
+    """Engine 1 dies while generations 0 and 1 both have work on it: one
+    task's retry replaces it, the other's waits and finds it replaced (one
+    restart), and every (prompt, sample) of both is written once."""
+    params = killable_run(tiny_model, tmp_path, schedule="in_flight", n=2, max_tokens=48)
+
+    def both_generating(run_dir: Path) -> bool:
+        """a shard of iteration 1 written while iteration 0 still runs"""
+        return len(shard_times(run_dir, 1)) > 0 and len(shard_times(run_dir, 0)) < 16
+
+    state = run_killing_engine_1(params, tmp_path, both_generating)
+    summary = state.result()
+    run_dir = tmp_path / summary.run_id
+    assert sum(s["restarts"] for s in engine_rows(state)) == 1
     for i in range(2):
         assert len(rows_by_prompt(read_rows(run_dir / f"iter-{i:03d}"))) == 32 * 2
-    assert staleness_of_rows(run_dir, 2) == {0: 0, 1: 1}
-    assert summary.training[-1].weight_version == 2
+    assert versions(run_dir, 0) == {0}
+    assert staleness_of_rows(run_dir, 2)[1] <= 1
     nothing_left(summary.run_id)

@@ -74,9 +74,15 @@ def test_quiet_off_a_terminal(artifact_calls):
     assert artifact_calls[-1]["progress"] == 100.0  # the artifact still follows
 
 
-def test_only_the_current_iteration_has_a_bar(artifact_calls):
-    console, _ = prefect_like_console(force_terminal=True)
+def test_only_running_iterations_have_a_bar(artifact_calls):
+    console, out = prefect_like_console(force_terminal=True)
     with RunProgress(console) as run:
         run.iteration(0, total_rows=8).written(8, tokens=64, restarts=0)
-        run.iteration(1, total_rows=8)
-        assert [task.visible for task in run.bars.tasks] == [False, True]
+        second = run.iteration(1, total_rows=8)
+        third = run.iteration(2, total_rows=8)  # in_flight: beside iteration 1
+        assert [task.visible for task in run.bars.tasks] == [False, True, True]
+        second.written(4, tokens=32, restarts=0)
+        third.written(2, tokens=16, restarts=0)
+    last_drawn = out.getvalue().split("\r")[-1]
+    assert "iteration 1" in last_drawn and "4/8 rows" in last_drawn
+    assert "iteration 2" in last_drawn and "2/8 rows" in last_drawn
