@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--num-engines", type=int, help="default: 2 (hf), 1 (vllm: one GPU)")
     parser.add_argument("--learning-rate", type=float, default=0.02)
+    parser.add_argument(
+        "--reward",
+        default="training.letter_task:reward",
+        help="reward import path; the letter task's saturates (groups agree, steps train on "
+        "nothing), training.rewards:target_chars_fraction keeps every group's signal",
+    )
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
@@ -89,7 +95,7 @@ def params_for(args: argparse.Namespace, schedule: str, model: str, prompts: Pat
         prompts_path=str(prompts),
         label_field="answer",
         id_field="id",
-        reward="training.letter_task:reward",
+        reward=args.reward,
         model=model,
         backend=args.backend,
         num_engines=args.num_engines,
