@@ -275,7 +275,7 @@ def run_iterations(
     policy = None  # the handle, once the policy is up
     # Set once a sync went through (the policy knows the engines): from then
     # on a replacement engine is synced to it before it serves.
-    connected = PolicyLink()
+    link = PolicyLink()
     pipeline.start(time.monotonic())
     while not pipeline.done:
         now = time.monotonic()
@@ -283,7 +283,7 @@ def run_iterations(
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
             future = sync_weights.submit(
-                policy, list(pool.engines), iteration=made_by, connect=connected.handle is None
+                policy, list(pool.engines), iteration=made_by, connect=link.handle is None
             )
             running[future] = ("sync", made_by)
         if policy is not None and (i := pipeline.next_training()) is not None:
@@ -294,7 +294,7 @@ def run_iterations(
             pipeline.generation_started(i, now)
             plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None)
             bar = progress.iteration(i, len(prompts) * params.n)
-            running[generate.submit(pool, prompts, plan, bar, connected, scorer)] = ("generate", i)
+            running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)
         future = first_done(list(running))
         kind, i = running.pop(future)
         now = time.monotonic()
@@ -317,7 +317,7 @@ def run_iterations(
                     raise
                 logger.warning("sync of iteration %d's version failed (%s); retried later", i, exc)
             else:
-                connected.handle = policy
+                link.handle = policy
                 pipeline.sync_done(synced["version"], now)
                 ledger.syncs[synced["version"] - 1] = synced
         ledger.close_iterations(pipeline)
