@@ -262,14 +262,17 @@ def run_child(args, kind: str, cache: Path, log: Path) -> dict:
     for line in text.splitlines():
         if line.startswith(RESULT):
             result = json.loads(line.removeprefix(RESULT))
-            if kind == "plain" and args.backend == "vllm":
-                from engines.startup import vllm_log_phases
+            if args.backend == "vllm" and kind in ("plain", "ours"):
+                if kind == "plain":
+                    from engines.startup import vllm_log_phases
 
-                result["vllm_phases"] = {p.name: p.seconds for p in vllm_log_phases(text)}
-                # In a Ray actor vLLM always spawns its engine core (a fresh
-                # interpreter that imports vLLM again); plain may fork.
+                    result["vllm_phases"] = {p.name: p.seconds for p in vllm_log_phases(text)}
+                # vLLM spawns its engine core (a fresh interpreter that imports
+                # vLLM again) when it must; plain forks it, ours forks it from
+                # the actor's forkserver (engines/forkserver.py).
                 spawned = "Overriding VLLM_WORKER_MULTIPROC_METHOD to 'spawn'" in text
-                result["engine_core_start"] = "spawn" if spawned else "fork"
+                unspawned = "fork" if kind == "plain" else "fork from our forkserver"
+                result["engine_core_start"] = "spawn" if spawned else unspawned
             return result
     tail = "\n".join(text.splitlines()[-15:])
     return {"error": f"{kind} exited {proc.returncode} without a result (log {log}):\n{tail}"}
@@ -306,7 +309,10 @@ def print_side_by_side(state: str, plain: dict, ours: dict) -> None:
         f"{ours['ready_s'] + ours['first_request_s']:>10.1f}{with_first:>12.2f}"
     )
     if "engine_core_start" in plain:
-        print(f"plain's vLLM engine core was started by {plain['engine_core_start']}; ours: spawn")
+        print(
+            f"vLLM's engine core started by: plain {plain['engine_core_start']}; "
+            f"ours {ours.get('engine_core_start')}"
+        )
     for side, r in (("plain", plain), ("ours", ours)):
         print(f"-- {side} breakdown (s)")
         for name, seconds in r["phases"].items():

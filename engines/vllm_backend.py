@@ -1,8 +1,9 @@
 """The GPU backend: vLLM's AsyncLLM inside the engine actor.
 
 One AsyncLLM per actor, so concurrent `generate` calls into the actor join
-vLLM's continuous batching. Its engine core runs in a child process (always,
-for AsyncLLM); its GPU workers live there (`uni`, TP=1) or in Ray actors of
+vLLM's continuous batching. Its engine core runs in another process (always,
+for AsyncLLM), forked from the actor's forkserver (`engines.forkserver`); its
+GPU workers live there (`uni`, TP=1) or in Ray actors of
 vLLM's Ray executor (TP>1) placed on this engine's bundles (see
 `engines.vllm_engine.start_engine` and `engines.env.actor_env_vars`).
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import ray
 
+from engines import env, forkserver
 from engines.base import (
     SLEEP_TAGS,
     RolloutEngine,
@@ -47,7 +49,6 @@ class VLLMApi:
     """The parts of vLLM this backend uses."""
 
     vllm: Any
-    pad_vocab_size: Any
     RequestOutputKind: Any
     UsageContext: Any
     freeze_gc_heap: Any
@@ -63,7 +64,7 @@ def vllm_api() -> VLLMApi:
     critical path before the actor even existed)."""
     try:
         import vllm
-        from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
+        import vllm.v1.engine.utils as engine_utils
         from vllm.sampling_params import RequestOutputKind
         from vllm.usage.usage_lib import UsageContext
         from vllm.utils.gc_utils import freeze_gc_heap
@@ -74,9 +75,11 @@ def vllm_api() -> VLLMApi:
             f"the vLLM backend needs vLLM ({exc}); install it with: "
             "pip install 'rolloutflow[vllm]', or use backend='hf' (CPU)"
         ) from exc
+    # vLLM spawns its engine core from a Ray actor; fork it from the server
+    # started in `VLLMEngine.__init__` instead (engines/forkserver.py).
+    engine_utils.get_mp_context = forkserver.context
     return VLLMApi(
         vllm=vllm,
-        pad_vocab_size=pad_vocab_size,
         RequestOutputKind=RequestOutputKind,
         UsageContext=UsageContext,
         freeze_gc_heap=freeze_gc_heap,
@@ -86,6 +89,24 @@ def vllm_api() -> VLLMApi:
 
 
 WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
+
+#: What vLLM's engine core imports as it starts (v0.26.0, one GPU), imported
+#: in the forkserver while the actor imports its own side of vLLM.
+ENGINE_CORE_MODULES = (
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.gpu_worker",
+)
+
+#: vLLM pads its embedding and LM-head rows to a multiple of this
+#: (DEFAULT_VOCAB_PADDING_SIZE in model_executor/layers/vocab_parallel_embedding.py,
+#: v0.26.0; tests/gpu/test_gpu_engines.py checks it). Importing that module
+#: for it put 20 more vLLM modules (its custom ops among them) on the actor's start.
+VOCAB_PADDING = 64
+
+
+def padded_vocab_rows(vocab: int) -> int:
+    return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
 
 
 def vllm_sampling_params(value: Any) -> Any:
@@ -126,6 +147,8 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, config: EngineConfig):
         clock = actor_clock()
+        if os.environ.get(env.VLLM_ENABLE_V1_MULTIPROCESSING, "1") != "0":  # else no core process
+            forkserver.start(ENGINE_CORE_MODULES)
         api = vllm_api()
         clock.mark("vLLM imports")
         log = OwnLog()  # vLLM's engine core logs its own start-up split there
@@ -166,7 +189,7 @@ class VLLMEngine(RolloutEngine):
         self.tokenizer = self.engine.tokenizer
         vocab = self.engine.model_config.get_vocab_size()
         if self.tokenizer is not None:
-            warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, api.pad_vocab_size(vocab))
+            warn_vocab_mismatch(config.name, len(self.tokenizer), vocab, padded_vocab_rows(vocab))
         # This actor is the engine's front end, as vLLM's API server process
         # is: like it, keep the start-up heap (vLLM, torch, transformers) out
         # of the GC's oldest-generation scans, whose pauses stall the output

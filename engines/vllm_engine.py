@@ -410,6 +410,11 @@ def actor_env(backend: str, placement: EnginePlacement, config: EngineConfig) ->
         config.bundle_indices,
         fraction if config.tensor_parallel_size > 1 else None,
     )
+    if backend == "vllm" and config.tensor_parallel_size > 1:
+        # The engine core's Ray executor joins this cluster. vLLM sets this
+        # itself only for a core it spawns; ours forks from a server that
+        # inherited the actor's environment (engines/forkserver.py).
+        variables[env.RAY_ADDRESS] = ray.get_runtime_context().gcs_address
     if config.full_determinism and backend == "vllm":
         # What OpenRLHF's full_determinism sets in its engine actors
         # (openrlhf/trainer/ray/vllm_engine.py, _configure_vllm_env).

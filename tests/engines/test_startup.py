@@ -7,7 +7,10 @@ from __future__ import annotations
 import ray
 
 from engines import create_vllm_engines, destroy_engines, env
+from engines.config import EngineConfig
+from engines.placement import EnginePlacement
 from engines.startup import Phase, StartupClock, StartupReport, vllm_log_phases
+from engines.vllm_engine import actor_env
 
 # vLLM 0.26.0's lines as an engine core writes them (Ray's and vLLM's prefixes included).
 P = "(EngineCore pid=812) INFO 11-30 10:00:01"
@@ -67,6 +70,27 @@ def test_cpu_engine_reports_its_start_up(ray_local, tiny_model):
         assert report.vllm_phases == ()
     finally:
         destroy_engines(engines)
+
+
+def test_tp2_engine_core_is_told_the_cluster(ray_local):
+    """A TP>1 engine core forks from the actor's forkserver, not from vLLM's
+    spawn that sets RAY_ADDRESS: the actor's environment must carry it."""
+    config = EngineConfig(
+        name="e-0",
+        pretrain="m",
+        max_len=64,
+        seed=0,
+        tensor_parallel_size=2,
+        bundle_indices=[0, 1],
+        rpc_timeout_s=5,
+    )
+    placement = EnginePlacement(
+        placement_group=None, bundles=[[0, 1]], uses_gpu=True, owns_group=True
+    )
+    variables = actor_env("vllm", placement, config)
+    assert variables[env.RAY_ADDRESS] == ray.get_runtime_context().gcs_address
+    tp1 = config.model_copy(update={"tensor_parallel_size": 1, "bundle_indices": [0]})
+    assert env.RAY_ADDRESS not in actor_env("vllm", placement, tp1)
 
 
 def test_tp1_engines_share_one_compile_cache_key():

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollout_support import REPO, wait_until, written_shards
+from rollout_support import REPO, written_shards
+from waiting import wait_until
 
 
 def cli_args(params: dict) -> list[str]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import ray
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = REPO / "data" / "prompts.jsonl"
@@ -52,16 +51,6 @@ def long_run(model: str, output_dir: Path, address: str | None = None, **overrid
             **overrides,
         },
     )
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def run_dirs(output_dir: Path) -> list[Path]:

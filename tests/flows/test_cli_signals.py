@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from cli_support import cli_args, cli_env, start_cli, stop, wait_for_a_shard
-from rollout_support import long_run, wait_until, written_shards
+from rollout_support import long_run, written_shards
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -38,9 +38,9 @@ from rollout_support import (
     nothing_left,
     rows_by_prompt,
     small_run,
-    wait_until,
     written_shards,
 )
+from waiting import wait_until
 
 from tasks.shards import read_rows
 

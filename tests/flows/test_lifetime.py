@@ -14,7 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from rollout_support import REPO, wait_until
+from rollout_support import REPO
+from waiting import wait_until
 
 from flows.lifetime import LocalPrefect, Stopped, StopSignals
 

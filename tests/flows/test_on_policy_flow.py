@@ -17,10 +17,10 @@ from rollout_support import (
     rows_by_prompt,
     run_dirs,
     small_run,
-    wait_until,
     written_shards,
 )
 from test_rollout_flow import artifacts_of
+from waiting import wait_until
 
 from flows.params import RolloutParams
 from flows.rollout import rollout

@@ -22,9 +22,9 @@ from rollout_support import (
     rows_by_prompt,
     run_dirs,
     small_run,
-    wait_until,
     written_shards,
 )
+from waiting import wait_until
 
 from flows.params import RolloutParams
 from flows.rollout import rollout

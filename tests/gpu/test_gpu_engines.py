@@ -274,3 +274,18 @@ def test_engine_fields_read_from_source_are_vllms_own():
 
     spec.vllm_engine_fields.cache_clear()
     assert spec.vllm_engine_fields() == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def test_vocab_padding_is_vllms():
+    """The backend pads the vocabulary as vLLM does without importing vLLM's
+    embedding module for it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        DEFAULT_VOCAB_PADDING_SIZE,
+        pad_vocab_size,
+    )
+
+    from engines.vllm_backend import VOCAB_PADDING, padded_vocab_rows
+
+    assert VOCAB_PADDING == DEFAULT_VOCAB_PADDING_SIZE
+    for vocab in (1, 63, 64, 65, 32000, 151643, 151936):
+        assert padded_vocab_rows(vocab) == pad_vocab_size(vocab)
