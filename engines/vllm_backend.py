@@ -75,8 +75,9 @@ def vllm_api() -> VLLMApi:
             f"the vLLM backend needs vLLM ({exc}); install it with: "
             "pip install 'rolloutflow[vllm]', or use backend='hf' (CPU)"
         ) from exc
-    # vLLM spawns its engine core from a Ray actor; fork it from the server
-    # started in `VLLMEngine.__init__` instead (engines/forkserver.py).
+    # In a Ray actor vLLM overrides every start method but spawn for its engine
+    # core (`_maybe_force_spawn`, https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/utils/system_utils.py);
+    # fork it from the server `VLLMEngine.__init__` started (engines/forkserver.py).
     engine_utils.get_mp_context = forkserver.context
     return VLLMApi(
         vllm=vllm,
