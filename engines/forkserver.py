@@ -4,7 +4,7 @@ actor, instead of spawned from scratch.
 Inside a Ray actor vLLM always spawns its engine-core process
 (`_maybe_force_spawn` in vllm/utils/system_utils.py, v0.26.0: a Ray worker's
 gRPC threads make forking it unsafe), and the spawned process imports vLLM
-all over again, after the actor has: about 10 s of every engine start that
+all over again, after the actor has: a part of every engine start that
 plain `vllm.LLM`, which forks, never pays. A forkserver is a fresh process,
 not a fork of the Ray worker. Started first thing in the actor, it imports the
 engine core's modules while the actor imports its own, and then forks the

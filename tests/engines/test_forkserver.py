@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
+from processes import alive
 from waiting import wait_until
 
 # Stands in for the engine actor: starts the server with a preload, forks a
@@ -41,15 +41,6 @@ ACTOR = textwrap.dedent(
         time.sleep(600)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie (a container's init may never reap one)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):

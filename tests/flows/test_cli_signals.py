@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cli_support import cli_args, cli_env, start_cli, stop, wait_for_a_shard
+from processes import proc_stat
 from rollout_support import long_run, written_shards
 from waiting import wait_until
 
@@ -46,16 +47,6 @@ def descendants(root: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
-
-
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process; None once it is gone or a zombie
-    (a zombie holds nothing: no memory, no port, no file)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None if fields[0] in ("Z", "X") else (fields[0], int(fields[1]))
 
 
 def command_line(pid: int) -> str:

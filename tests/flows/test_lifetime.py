@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from processes import alive
 from rollout_support import REPO
 from waiting import wait_until
 
@@ -103,14 +103,6 @@ def test_the_reaper_kills_what_it_was_given_when_its_parent_is_killed(tmp_path):
         parent.kill()
         parent.wait()
     wait_until(lambda: not alive(child), 10, "the reaper to kill the child")
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 def test_the_local_server_has_its_url_before_it_runs(tmp_path, monkeypatch):
