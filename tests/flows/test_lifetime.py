@@ -124,3 +124,18 @@ def test_the_local_server_has_its_url_before_it_runs(tmp_path, monkeypatch):
     finally:
         server.stop()
     assert server.process.returncode is not None
+
+
+def test_a_local_server_that_exits_is_reported_at_once(monkeypatch):
+    """The readiness poll ends when the server process does: the CLI names
+    its exit code instead of waiting out its start-up deadline."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # exits 1, whatever its arguments
+    server = LocalPrefect()
+    server.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="exited with code 1"):
+            server.wait_ready(300)
+        assert time.monotonic() - began < 60
+    finally:
+        server.stop()
