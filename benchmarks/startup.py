@@ -5,8 +5,9 @@
 
 vllm (GPU): plain `vllm.LLM(...)` in a fresh process, timed from its launch,
   against `create_vllm_engines(num_engines=1, ...)` until `ready()`, same
-  model and settings; each side has its own compile cache directory
-  (`VLLM_CACHE_ROOT`), empty for "cold", filled by the cold start for "warm".
+  model and settings (our actors' OMP_NUM_THREADS included); each side has
+  its own compile cache directory (`VLLM_CACHE_ROOT`), empty for "cold",
+  filled by the cold start for "warm".
   Prints ours/plain per state, and the breakdown of both starts: ours from the
   engine's `StartupReport` (Ray's part, imports, the vLLM engine) and vLLM's
   own split read from its log lines, plus the first request.
@@ -250,6 +251,12 @@ def child_replace(args) -> dict:
 # --- the parent -----------------------------------------------------------------------------
 def run_child(args, kind: str, cache: Path, log: Path) -> dict:
     env = dict(os.environ, VLLM_CACHE_ROOT=str(cache), STARTUP_LAUNCHED=repr(time.time()))
+    if kind == "plain":
+        # The same settings as ours: our engine actors' thread count
+        # (engines/env.py), which moves vLLM's profiling phase by seconds.
+        from engines.env import torch_threads
+
+        env.update(OMP_NUM_THREADS=str(torch_threads()), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind, "--model", args.model]
     with open(log, "w") as out:
         try:
@@ -309,9 +316,11 @@ def print_side_by_side(state: str, plain: dict, ours: dict) -> None:
         f"{ours['ready_s'] + ours['first_request_s']:>10.1f}{with_first:>12.2f}"
     )
     if "engine_core_start" in plain:
+        from engines.env import torch_threads
+
         print(
             f"vLLM's engine core started by: plain {plain['engine_core_start']}; "
-            f"ours {ours.get('engine_core_start')}"
+            f"ours {ours.get('engine_core_start')}; OMP_NUM_THREADS={torch_threads()} for both"
         )
     for side, r in (("plain", plain), ("ours", ours)):
         print(f"-- {side} breakdown (s)")
