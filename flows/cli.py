@@ -196,11 +196,8 @@ def start_ray(params: RolloutParams) -> bool:
 
 
 def warm_up(params: RolloutParams) -> None:
-    """While the Prefect server starts (another process, another core): what
-    the flow would do next before its engines start: import pyarrow (the
-    prompts' column types) and the tiny model's first build."""
-    import pyarrow  # noqa: F401
-
+    """While the Prefect server starts (another process, another core): the
+    tiny model's first build, which the run would do next anyway."""
     if params.model is None:
         from engines.tiny_model import ensure_tiny_model
 

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from types import FrameType
@@ -161,8 +160,6 @@ class LocalPrefect:
         self.port = self._sock.getsockname()[1]
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.process: subprocess.Popen | None = None
-        self._polled = threading.Event()  # the readiness poll ended
-        self._answered = False
 
     def start(self) -> None:
         """Run it (once; later calls do nothing)."""
@@ -189,35 +186,24 @@ class LocalPrefect:
             preexec_fn=lambda: _die_with_parent(parent),
             stdin=subprocess.DEVNULL,
         )
-        threading.Thread(target=self._poll, name="prefect-server-ready", daemon=True).start()
-
-    def _poll(self) -> None:
-        """Ask the server for its version until it answers (or exits). Not
-        its /health: the first routed request makes FastAPI build the models
-        of every route, about a CPU-second, which the flow's first request
-        would otherwise wait for; asked as soon as the server listens, that
-        runs while this process still starts Ray and imports the flow."""
-        try:
-            while self.process is not None and self.process.poll() is None:
-                try:
-                    with urllib.request.urlopen(f"{self.api_url}/admin/version", timeout=2):
-                        self._answered = True
-                        return
-                except urllib.error.HTTPError:  # e.g. 401 under an auth string: it serves
-                    self._answered = True
-                    return
-                except OSError:
-                    time.sleep(0.05)
-        finally:
-            self._polled.set()
 
     def wait_ready(self, timeout_s: float) -> None:
         if self.process is None:
             raise RuntimeError("the local Prefect server was not started")
-        if not self._polled.wait(timeout_s):
-            raise RuntimeError(f"the local Prefect server did not answer within {timeout_s:g} s")
-        if not self._answered:
-            raise RuntimeError(f"the local Prefect server exited with code {self.process.wait()}")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the local Prefect server exited with code {self.process.returncode}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"the local Prefect server did not answer within {timeout_s:g} s")
 
     def terminate(self) -> None:
         """Ask it to stop (SIGTERM), without waiting: `stop` waits."""
