@@ -15,7 +15,9 @@ hf (CPU): the same with our transformers engine against a fresh process that
   imports torch and transformers and loads the tokenizer and model.
 --replace: after the states, a set with one warm spare (when the cluster has
   a second GPU; always on CPU): kill the engine, time the spare's swap to
-  its first answer, then kill again and time a new engine on the warm cache.
+  its first answer; then kill only its engine (vLLM's engine-core process,
+  SIGKILL; the CPU engine's generation thread) and time its restart in the
+  live actor; then kill the actor and time a new engine on the warm cache.
   Each line is also compared with the cold start.
 
 Every child process has a deadline (--child-timeout); the JSON (--json) is
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -210,12 +213,35 @@ def stop(engine) -> None:
     ray.kill(engine, no_restart=True)
 
 
+def end_engine(engine, backend: str, timeout_s: float) -> None:
+    """The engine dies under its live actor: vLLM's engine core is killed
+    (SIGKILL; the benchmark runs on the engine's host), the CPU engine is shut
+    down (its generation thread ends). Returns once the actor reports it dead."""
+    from engines import EngineDeadError
+    from engines.client import get
+
+    if backend == "vllm":
+        for pid in get(engine.health.remote(), timeout_s)["engine_core_pids"]:
+            os.kill(pid, signal.SIGKILL)
+    else:
+        get(engine.shutdown.remote(), timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            get(engine.health.remote(), timeout_s)
+        except EngineDeadError:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the engine was not reported dead within {timeout_s:g}s")
+
+
 def child_replace(args) -> dict:
     """A set with a warm spare where the cluster has room for it: the spare's
-    swap, then a new engine on the (now warm) compile cache."""
+    swap; the engine restarted in its actor; a new engine on the (now warm)
+    compile cache."""
     from engines import destroy_engines
     from engines.client import get
-    from engines.vllm_engine import replace_engine, swap_in_spare
+    from engines.vllm_engine import replace_engine, restart_engine, swap_in_spare
 
     ray = ray_init()
     room = ray.cluster_resources().get("GPU" if args.backend == "vllm" else "CPU", 0)
@@ -234,6 +260,18 @@ def child_replace(args) -> dict:
             swap_in_spare(engines, 0, args.child_timeout)
             first_request(engines[0], 120)
             result["spare_to_first_answer_s"] = time.time() - began
+        killed = time.time()
+        end_engine(engines[0], args.backend, 60)
+        result["death_noticed_s"] = time.time() - killed
+        began = time.time()
+        if not restart_engine(engines, 0):
+            raise RuntimeError("the engine's actor did not take the restart")
+        get(engines[0].ready.remote(), args.child_timeout)
+        first_request(engines[0], 120)
+        result["restart_to_first_answer_s"] = time.time() - began
+        report = get(engines[0].startup_report.remote(), 60)
+        result["restart_phases"] = {p.name: p.seconds for p in report.phases}
+        result["restart_vllm_phases"] = {p.name: p.seconds for p in report.vllm_phases}
         stop(engines[0])
         began = time.time()
         replace_engine(engines, 0)
@@ -377,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print(f"\n== replacement ==\n{json.dumps(replaced, indent=2)}")
         cold = results["states"].get("cold", {}).get("ours", {}).get("ready_s")
-        for key in ("spare_to_first_answer_s", "new_engine_to_first_answer_s"):
+        keys = ("spare_to_first_answer_s", "restart_to_first_answer_s")
+        for key in (*keys, "new_engine_to_first_answer_s"):
             if cold and key in replaced:
                 print(f"{key}: {replaced[key]:.1f}s = {replaced[key] / cold:.2f} x our cold start")
     return 0

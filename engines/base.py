@@ -9,6 +9,7 @@ hooks default to no-ops; `health()` raises when the engine cannot serve.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, PromptTooLongError, RequestError
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
-from engines.startup import StartupReport
+from engines.startup import StartupClock, StartupReport
 from engines.weight_api import with_weight_methods
 from engines.weight_sync.session import WeightSync
 
@@ -99,8 +100,12 @@ class RolloutEngine(abc.ABC):
     """One rollout engine (all its tensor-parallel workers)."""
 
     backend: str = ""
+    #: A `restart` in progress, or done (its outcome); `ready` waits for it.
+    _restart: asyncio.Future | None = None
 
     def __init__(self, config: EngineConfig):
+        # A backend's __init__(config, clock=None) starts its engine, timing
+        # the phases on `clock` (default: from the actor's first import).
         self.config = config
         # Version of the weights being served; stamped on every output. A sync
         # that fails part-way marks the engine stale: it refuses work until resynced.
@@ -166,9 +171,32 @@ class RolloutEngine(abc.ABC):
         """Engine state; raises if the engine cannot serve."""
 
     async def ready(self) -> str:
-        """Returns the engine's name once it can serve (start-up is done in __init__)."""
+        """Returns the engine's name once it can serve (start-up is done in
+        __init__, or in a `restart` begun before this call)."""
+        if self._restart is not None:
+            await asyncio.shield(self._restart)
         await self.health()
         return self.config.name
+
+    async def restart(self) -> None:
+        """Begin starting the engine again inside this actor, after its engine
+        died and the actor did not (vLLM's engine-core process, the CPU
+        engine's generation thread): the process, its imports, vLLM's
+        forkserver and the Ray worker are kept, so this costs the engine's
+        own start only. Returns at once; `ready()` waits for the restart and
+        raises its error. The engine serves the weights it loads, at version
+        0, as a new engine would."""
+        if self._restart is not None and not self._restart.done():
+            raise RequestError(f"engine {self.config.name} is already restarting")
+        self._restart = asyncio.ensure_future(self._start_again())
+
+    async def _start_again(self) -> None:
+        await self.shutdown()
+        # Everything `__init__` sets is the engine's state, so starting again
+        # is `__init__` again; in a thread, since it blocks for the whole start.
+        clock = StartupClock()
+        await asyncio.to_thread(type(self).__init__, self, self.config, clock)
+        logger.info("engine %s restarted in %.1fs", self.config.name, self.startup.seconds)
 
     async def startup_report(self) -> StartupReport:
         """Where this engine's start-up time went (set at the end of `__init__`)."""

@@ -37,7 +37,7 @@ from engines.errors import (
 from engines.outputs import CompletionOutput, LogprobsPosition, RequestOutput
 from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
-from engines.startup import actor_clock
+from engines.startup import StartupClock, actor_clock
 from engines.worker_extension import WeightSyncWorkerExtension
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,8 @@ def sequence_seed(request_seed: int, index: int) -> int:
 class HFEngine(RolloutEngine):
     backend = "hf"
 
-    def __init__(self, config: EngineConfig):
-        clock = actor_clock()
+    def __init__(self, config: EngineConfig, clock: StartupClock | None = None):
+        clock = clock or actor_clock()
         import_torch()
         clock.mark("torch and transformers imports")
         super().__init__(config)
@@ -173,6 +173,7 @@ class HFEngine(RolloutEngine):
         self._aborting = False  # pause "abort": end the batch running
         self._stopping = False
         self._thread_error: BaseException | None = None
+        self._ended = False  # the thread is gone: nothing queued would run
         # Held around each forward pass and while the workers run an RPC
         # (weights change): no step ever sees half-updated weights.
         self._model_lock = threading.Lock()
@@ -223,6 +224,8 @@ class HFEngine(RolloutEngine):
             loop = asyncio.get_running_loop()
             requests = [self._new_request(prompt, params, loop) for prompt in prompts]
             with self._cond:
+                if self._ended:  # since `_raise_if_dead`: nothing would run them
+                    raise self._dead_error()
                 self._pending.extend(requests)
                 self._cond.notify_all()
             return list(await asyncio.gather(*(r.future for r in requests)))
@@ -334,11 +337,14 @@ class HFEngine(RolloutEngine):
         return _Request(uuid.uuid4().hex, prompt, params, sequences, loop, loop.create_future())
 
     def _raise_if_dead(self) -> None:
-        if self._thread_error is not None or not self._thread.is_alive():
-            raise EngineDeadError(
-                f"engine {self.config.name}'s generation thread died: {self._thread_error!r}",
-                engine=self.config.name,
-            )
+        if self._ended or not self._thread.is_alive():
+            raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
+        cause = "" if self._thread_error is None else f": {self._thread_error!r}"
+        return EngineDeadError(
+            f"engine {self.config.name}'s generation thread ended{cause}", engine=self.config.name
+        )
 
     def _take_batch(self) -> list[_Request]:
         batch, seqs = [], 0
@@ -377,6 +383,17 @@ class HFEngine(RolloutEngine):
         except BaseException as exc:
             self._thread_error = exc
             raise
+        finally:
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """The generation thread is ending: nothing will run what is queued,
+        so its callers learn now that the engine is dead, not at their deadline."""
+        with self._cond:
+            self._ended = True
+            queued, self._pending = self._pending, []
+        for request in queued:
+            request.loop.call_soon_threadsafe(_resolve, request.future, None, self._dead_error())
 
     def _next_step(self) -> bool:
         """Between two steps: park while frozen; False when the batch is aborted."""

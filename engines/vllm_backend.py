@@ -39,7 +39,7 @@ from engines.errors import (
 )
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.sampling import SamplingParams
-from engines.startup import OwnLog, actor_clock, vllm_log_phases
+from engines.startup import OwnLog, StartupClock, actor_clock, vllm_log_phases
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ def vllm_api() -> VLLMApi:
 
 
 WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
+
+#: How often a call waiting on the engine core checks that the core lives.
+CORE_DEATH_POLL_S = 0.25
 
 #: What vLLM's engine core imports as it starts (v0.26.0, one GPU), imported
 #: in the forkserver while the actor imports its own side of vLLM.
@@ -146,8 +149,8 @@ def worker_memory(worker: Any) -> dict[str, Any]:
 class VLLMEngine(RolloutEngine):
     backend = "vllm"
 
-    def __init__(self, config: EngineConfig):
-        clock = actor_clock()
+    def __init__(self, config: EngineConfig, clock: StartupClock | None = None):
+        clock = clock or actor_clock()
         if os.environ.get(env.VLLM_ENABLE_V1_MULTIPROCESSING, "1") != "0":  # else no core process
             forkserver.start(ENGINE_CORE_MODULES)
         api = vllm_api()
@@ -306,6 +309,7 @@ class VLLMEngine(RolloutEngine):
             sleeping=sorted(self._asleep),
             vllm_version=vllm_api().vllm.__version__,
             pid=os.getpid(),
+            engine_core_pids=self._engine_core_pids(),
             node_id=ray.get_runtime_context().get_node_id(),
         )
         # Asked of the workers themselves: with TP>1 they are other processes
@@ -316,13 +320,20 @@ class VLLMEngine(RolloutEngine):
         info["memory"] = {"used_bytes": sum(gpu["used_bytes"] for gpu in gpus)}
         return info
 
+    def _engine_core_pids(self) -> list[int]:
+        """vLLM's engine-core processes (none when it runs in this process):
+        AsyncMPClient's process manager, v0.26.0 (v1/engine/core_client.py)."""
+        resources = getattr(self.engine.engine_core, "resources", None)
+        processes = getattr(getattr(resources, "engine_manager", None), "processes", [])
+        return [process.pid for process in processes]
+
     async def reset_prefix_cache(self) -> bool:
         # Without prefix caching no KV outlives its request, so there is
         # nothing stale to drop, and vLLM's reset walks every KV block in
         # Python (v1/core/block_pool.py in v0.26.0) on every sync.
         if not self.engine.vllm_config.cache_config.enable_prefix_caching:
             return True
-        return await self.engine.reset_prefix_cache()
+        return await self._core(self.engine.reset_prefix_cache())
 
     async def sleep(self, level: int = 1) -> None:
         check_sleep_level(level)
@@ -333,14 +344,14 @@ class VLLMEngine(RolloutEngine):
             )
         # "wait": requests in flight finish first (vLLM's default aborts them).
         # Level 1 offloads weights to CPU and drops the KV cache; level 2 drops both.
-        await self.engine.sleep(level, mode="wait")
+        await self._core(self.engine.sleep(level, mode="wait"))
         self._asleep = set(SLEEP_TAGS)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         tags_set = wake_tags(tags)
         if not tags_set & self._asleep:
             return  # awake already: no round trip to the engine core
-        await self.engine.wake_up(sorted(tags_set & self._asleep))
+        await self._core(self.engine.wake_up(sorted(tags_set & self._asleep)))
         self._asleep -= tags_set
 
     async def pause_generation(self, mode: str = "keep") -> None:
@@ -348,8 +359,8 @@ class VLLMEngine(RolloutEngine):
         if mode == "wait" and self.engine.model_config.is_multimodal_model:
             # Cached encoder outputs were computed with the weights about to be
             # replaced ("keep" and "abort" clear them inside vLLM's pause).
-            await self.engine.reset_mm_cache()
-            await self.engine.reset_encoder_cache()
+            await self._core(self.engine.reset_mm_cache())
+            await self._core(self.engine.reset_encoder_cache())
 
     # Mode "wait" needs no call to the engine core: requests are held in this
     # actor, not inside vLLM, and those let in run to completion.
@@ -357,15 +368,15 @@ class VLLMEngine(RolloutEngine):
         # vLLM's own "keep": the scheduler stops stepping, and (clear_cache)
         # running requests are preempted, so their KV cache is recomputed with
         # the weights served when they resume, as OpenRLHF's pause gets it.
-        await self.engine.pause_generation(mode="keep")
+        await self._core(self.engine.pause_generation(mode="keep"))
 
     async def _thaw(self) -> None:
-        await self.engine.resume_generation()
+        await self._core(self.engine.resume_generation())
 
     async def _abort_requests(self) -> None:
-        await self.engine.pause_generation(mode="abort")
+        await self._core(self.engine.pause_generation(mode="abort"))
         # New requests wait in this actor until it reopens, not in vLLM.
-        await self.engine.resume_generation()
+        await self._core(self.engine.resume_generation())
 
     async def collective_rpc(
         self,
@@ -386,27 +397,45 @@ class VLLMEngine(RolloutEngine):
         timeout_s: float | None = None,
     ) -> list[Any]:
         timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+        # vLLM's single-process executor ignores its own `timeout`
+        # (https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/executor/uniproc_executor.py),
+        # so the deadline is enforced here.
+        call = self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        name = getattr(method, "__name__", method)
+        return await self._core(call, timeout, f"collective_rpc({name!r})")
+
+    async def _core(self, call: Any, timeout_s: float | None = None, what: str = "") -> Any:
+        """Await a call into vLLM's engine core; raise EngineDeadError as soon
+        as the core is dead, EngineTimeoutError past `timeout_s`. A call in
+        flight when the core process is killed is never answered (v0.26.0
+        fails the requests' output streams, not its pending utility calls:
+        `_call_utility_async` in v1/engine/core_client.py), so the core's
+        death is watched beside it."""
+        task = asyncio.ensure_future(call)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         try:
-            # vLLM's single-process executor ignores its own `timeout`
-            # (v1/executor/uniproc_executor.py in v0.26.0,
-            # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/executor/uniproc_executor.py),
-            # so the deadline is also enforced here.
-            return await asyncio.wait_for(
-                self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs),
-                timeout=timeout,
-            )
-        except TimeoutError as exc:
-            name = getattr(method, "__name__", method)
-            raise EngineTimeoutError(
-                f"engine {self.config.name}: collective_rpc({name!r}) "
-                f"took longer than {timeout:g}s",
-                engine=self.config.name,
-            ) from exc
+            while True:
+                wait = CORE_DEATH_POLL_S
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - loop.time()))
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if done:
+                    return task.result()
+                self._raise_if_dead()
+                if deadline is not None and loop.time() >= deadline:
+                    raise EngineTimeoutError(
+                        f"engine {self.config.name}: {what or 'a call to the engine core'} "
+                        f"took longer than {timeout_s:g}s",
+                        engine=self.config.name,
+                    )
         except vllm_api().EngineDeadError as exc:
             raise EngineDeadError(
                 f"engine {self.config.name}: vLLM's engine core died: {exc}",
                 engine=self.config.name,
             ) from exc
+        finally:
+            task.cancel()  # a no-op once it is done
 
     async def shutdown(self) -> None:
         # Stops the engine-core process (and the Ray workers of TP>1), which

@@ -25,6 +25,7 @@ from engines.config import EngineConfig
 from engines.errors import (
     BackendUnavailableError,
     EngineDeadError,
+    EngineFailure,
     EngineSpecError,
     EngineTimeoutError,
 )
@@ -368,6 +369,30 @@ def _kill(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
     except ValueError:  # gone already
         pass
+
+
+#: How long a failed engine's actor has to take a restart before it counts
+#: as gone too (it then gets a new actor).
+RESTART_ANSWER_S = 5.0
+
+
+def restart_engine(engines: EngineSet, index: int, timeout_s: float = RESTART_ANSWER_S) -> bool:
+    """Start engine `index` again inside its own actor (`RolloutEngine.restart`)
+    after its engine died: no Ray worker start and no imports, so it costs
+    the engine's own start only. False when that cannot be done and the
+    caller must replace the actor: the actor is gone or does not answer, or
+    the engine has TP>1 (vLLM's Ray workers of a dead engine core hold their
+    GPUs until Ray notices their owner is gone). `ready()` waits for it."""
+    config = engines.configs[index]
+    if engines.backend == "vllm" and config.tensor_parallel_size > 1:
+        return False
+    try:
+        get(engines[index].restart.remote(), timeout_s, config.name)
+    except EngineFailure as exc:
+        logger.info("engine %s cannot restart in its actor: %s", config.name, exc)
+        return False
+    logger.info("restarting engine %s in its actor", config.name)
+    return True
 
 
 def replace_engine(engines: EngineSet, index: int, timeout_s: float = 30.0) -> Any:

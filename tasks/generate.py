@@ -103,7 +103,7 @@ def generate_rollouts(
         if replaced:
             wait_ready(pool, plan.ready_timeout_s)
         if replaced and policy is not None and policy.handle is not None:
-            sync = policy.handle.sync_weights.remote(list(pool.engines))
+            sync = policy.handle.sync_weights.remote(list(pool.engines), reconnect=True)
             report = get(sync, plan.ready_timeout_s)
             logger.info("replacement engine synced to weight version %d", report["version"])
 

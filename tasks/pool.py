@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 
 import ray
 
-from engines import EngineSet, EngineTimeoutError
+from engines import EngineDeadError, EngineSet, EngineTimeoutError
 from engines.client import get
-from engines.vllm_engine import replace_engine, swap_in_spare
+from engines.vllm_engine import replace_engine, restart_engine, swap_in_spare
 
 
 @dataclass
@@ -35,8 +35,9 @@ class EngineStats:
     failures: int = 0
     restarts: int = 0
     last_error: str | None = None
-    #: The last replacement: "spare" (a warm spare woken) or "new" (a fresh
-    #: engine), and the seconds from the failure's handling to serving again
+    #: The last replacement: "spare" (a warm spare woken), "restart" (the
+    #: engine started again in its own actor, which outlived it) or "new" (a
+    #: fresh engine actor), and the seconds from the failure's handling to serving again
     #: (up, and synced to the policy's weights in an on-policy run).
     replaced_by: str | None = None
     replacement_s: float | None = None
@@ -128,9 +129,11 @@ class EnginePool:
         self, logger: logging.Logger | logging.LoggerAdapter, timeout_s: float
     ) -> list[int]:
         """Put a warm spare (woken; a new spare starts on the failed engine's
-        bundles) or else a new engine (same name, config and bundles) in place
-        of each failed one. Returns the replaced indices; `mark_serving` ends
-        their replacement once they are up (and synced)."""
+        bundles) in place of each failed one, or else start it again in its
+        actor (`restart_engine`: its engine died, the actor did not), or else
+        a new engine actor (same name, config and bundles). Returns the
+        replaced indices; `mark_serving` ends their replacement once they are
+        up (and synced)."""
         if self.closed:
             raise PoolClosedError(
                 f"the run is ending: engines {sorted(self.failed)} are not replaced"
@@ -140,15 +143,21 @@ class EnginePool:
             stats = self.stats[index]
             logger.warning("replacing engine %s after %s", self.name(index), stats.last_error)
             self.replacing_since[index] = time.monotonic()
+            # The fastest way first: a warm spare, then the engine started again
+            # in its actor (only its engine died), then a new actor.
             spare = swap_in_spare(self.engines, index, timeout_s)
-            if spare is None:
-                replace_engine(self.engines, index)
-                self.started_at[index] = time.monotonic()
-                stats.replaced_by = "new"
-            else:
+            if spare is not None:
                 logger.info("spare %s woke up in place of %s", spare.config.name, stats.name)
                 self.ready.add(index)
                 stats.replaced_by = "spare"
+            else:
+                dead = isinstance(self.failed[index], EngineDeadError)
+                if dead and restart_engine(self.engines, index):
+                    stats.replaced_by = "restart"
+                else:
+                    replace_engine(self.engines, index)
+                    stats.replaced_by = "new"
+                self.started_at[index] = time.monotonic()
             stats.name = self.name(index)
             stats.restarts += 1
             del self.failed[index]

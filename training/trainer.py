@@ -121,16 +121,20 @@ class Trainer(abc.ABC):
     def device_of_weights(self) -> Any:
         return self.named_weights()[0][1].device
 
-    def sync_weights(self, engines: list[Any] | None = None) -> dict[str, Any]:
+    def sync_weights(
+        self, engines: list[Any] | None = None, *, reconnect: bool = False
+    ) -> dict[str, Any]:
         """Publish `weight_version` to the engines; a no-op (reported as
         skipped) when they already have it. Pass the current `engines` when
         some may have been replaced: a changed set is reconnected and synced
-        in full."""
+        in full, and so is the same set with `reconnect` (an engine restarted
+        in its actor keeps its handle but lost its weights and connection)."""
         if self._engines is None:
             raise RuntimeError("call init_weight_sync(engines) first")
-        if engines is not None and list(engines) != list(self._engines):
-            logger.info("the engine set changed: reconnecting weight sync")
-            self.init_weight_sync(engines, **self._init_kwargs)
+        changed = engines is not None and list(engines) != list(self._engines)
+        if changed or reconnect:
+            logger.info("the engine set changed or restarted: reconnecting weight sync")
+            self.init_weight_sync(engines or self._engines, **self._init_kwargs)
         version = self.weight_version
         if version == self._synced_version:
             return {

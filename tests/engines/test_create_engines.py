@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import ray
+from faults import end_generation_thread
 
 from engines import (
     RequestOutput,
@@ -133,3 +134,34 @@ def test_prompt_too_long_is_per_request(two_engines):
     # The engine keeps serving.
     output = ray.get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), timeout=60)
     assert len(output.outputs[0].token_ids) >= 1
+
+
+def test_engine_that_died_restarts_in_its_actor(ray_local, tiny_model):
+    from engines.client import get
+    from engines.errors import EngineDeadError
+    from engines.vllm_engine import restart_engine
+
+    engines = create_vllm_engines(1, tiny_model, 256, 0.5, name_prefix="test-restart")
+    try:
+        engine = engines[0]
+        params = SamplingParams(n=2, max_tokens=8, temperature=1.0, ignore_eos=True)
+        first = first_tokens(engine, params)
+        pid = get(engine.health.remote(), 30)["pid"]
+        end_generation_thread(engine)
+        with pytest.raises(EngineDeadError, match="generation thread ended"):
+            get(engine.health.remote(), 30)
+
+        assert restart_engine(engines, 0)
+        assert get(engine.ready.remote(), 120) == engines.names[0]
+        health = get(engine.health.remote(), 30)
+        assert health["pid"] == pid and health["weight_version"] == 0
+        # The pretrained weights and the engine's seed again: what it drew first.
+        assert first_tokens(engine, params) == first
+        # Timed from the restart: the process's own imports are not in it.
+        phases = [p.name for p in get(engine.startup_report.remote(), 30).phases]
+        assert "imports" not in phases and "model load" in phases
+
+        ray.kill(engine, no_restart=True)
+        assert not restart_engine(engines, 0)  # no actor to restart it in
+    finally:
+        destroy_engines(engines)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import ray
+from faults import end_generation_thread
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,8 +89,9 @@ def nothing_left(run_id: str, timeout_s: float = 30.0) -> None:
     assert run_objects(run_id) == empty
 
 
-def kill_engine(run_id: str, index: int) -> str:
-    """Kill engine `index` of the run's current attempt, as a crash would."""
+def kill_engine(run_id: str, index: int, actor: bool = True) -> str:
+    """Kill engine `index` of the run's current attempt, as a crash would:
+    its actor, or (`actor=False`) only its engine, under the live actor."""
     namespace = f"rolloutflow-{run_id}"
     names = sorted(
         a["name"]
@@ -97,7 +99,11 @@ def kill_engine(run_id: str, index: int) -> str:
         if a["namespace"] == namespace and a["name"].endswith(f"-{index}")
     )
     assert names, f"no engine {index} of run {run_id} to kill"
-    ray.kill(ray.get_actor(names[-1], namespace=namespace), no_restart=True)
+    handle = ray.get_actor(names[-1], namespace=namespace)
+    if actor:
+        ray.kill(handle, no_restart=True)
+    else:
+        end_generation_thread(handle)
     return names[-1]
 
 

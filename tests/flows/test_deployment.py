@@ -132,8 +132,10 @@ def server(tmp_path_factory, ray_local_module) -> Iterator[Server]:
         "PREFECT_HOME": str(home),
         "PREFECT_API_URL": url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # Workers notice cancellations sooner.
+        # Workers notice cancellations sooner, and a run waiting for the
+        # deployment's concurrency slot asks again sooner (default 30 s).
         "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_DEPLOYMENT_CONCURRENCY_SLOT_WAIT_SECONDS": "3",
     }
     port = url.split(":")[-1].split("/")[0]
     process = subprocess.Popen(
@@ -220,8 +222,9 @@ def test_deployment_run_completes(server, address, tiny_model, tmp_path):
 
 def test_second_run_waits_for_the_first(server, address, tiny_model, tmp_path):
     """The deployment's concurrency limit (1, ENQUEUE): a run submitted while
-    another runs waits for its slot, then runs; neither fails."""
-    first = server.run_deployment(long_run(tiny_model, tmp_path / "first", address))
+    another runs waits for its slot, then runs; neither fails. Both are
+    submitted before the worker starts, so one waits whichever it takes first."""
+    first = server.run_deployment(small_run(tiny_model, tmp_path / "first", address))
     second = server.run_deployment(small_run(tiny_model, tmp_path / "second", address))
     worker = server.start_worker("queue", run_once=False)
     try:

@@ -24,6 +24,7 @@ from waiting import wait_until
 
 from flows.params import RolloutParams
 from flows.rollout import rollout
+from tasks.artifacts import ENGINES_KEY
 from tasks.shards import read_rows
 
 REWARD = "training.rewards:target_chars_fraction"
@@ -65,6 +66,13 @@ def killable_run(model, output_dir, **overrides) -> RolloutParams:
         **overrides,
     }
     return on_policy_run(model, output_dir, **settings)
+
+
+def engine_rows(state) -> list[dict]:
+    """The run's engine table (artifact)."""
+    tables = artifacts_of(state.state_details.flow_run_id)["table"]
+    (engines,) = [t for t in tables if t.key == ENGINES_KEY]
+    return engines.data if isinstance(engines.data, list) else json.loads(engines.data)
 
 
 def versions(run_dir, iteration: int) -> set[int]:
@@ -131,15 +139,17 @@ def test_iteration_0_generates_while_the_policy_cannot_start(ray_local, tiny_mod
     nothing_left(summary.run_id)
 
 
-def run_killing_engine_1(params: RolloutParams, tmp_path, when: Callable[[Path], bool]):
-    """Run the flow, killing engine 1 once `when(run_dir)` holds; the run's
-    final state."""
+def run_killing_engine_1(
+    params: RolloutParams, tmp_path, when: Callable[[Path], bool], actor: bool = True
+):
+    """Run the flow, killing engine 1 (its actor, or only its engine) once
+    `when(run_dir)` holds; the run's final state."""
 
     def kill_during_iteration_1():
         wait_until(lambda: run_dirs(tmp_path), 120, "the run directory")
         (run_dir,) = run_dirs(tmp_path)
         wait_until(lambda: when(run_dir), 300, f"{when.__doc__} in {run_dir}")
-        killed.append(kill_engine(run_dir.name, 1))
+        killed.append(kill_engine(run_dir.name, 1, actor))
 
     killed: list[str] = []
     killer = threading.Thread(target=kill_during_iteration_1, daemon=True)
@@ -151,9 +161,12 @@ def run_killing_engine_1(params: RolloutParams, tmp_path, when: Callable[[Path],
     return state
 
 
-def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tmp_path):
-    """An engine killed in iteration 1 is replaced and gets the policy's
-    current weights first: no row of iteration 1 comes from version 0."""
+def test_restarted_engine_is_synced_before_it_generates(ray_local, tiny_model, tmp_path):
+    """Engine 1's engine dies in iteration 1 under its live actor: it starts
+    again in that actor, with the same handle, and gets the policy's current
+    weights before any work (a sync that went by the handles alone would
+    skip it): no row of iteration 1 comes from version 0. (A killed actor's
+    new engine is synced the same way: the in-flight tests below.)"""
 
     params = killable_run(tiny_model, tmp_path)
 
@@ -161,12 +174,14 @@ def test_replaced_engine_is_synced_before_it_generates(ray_local, tiny_model, tm
         """a shard of iteration 1"""
         return bool(list(run_dir.glob("iter-001/shard-*")))
 
-    state = run_killing_engine_1(params, tmp_path, iteration_1_begun)
+    state = run_killing_engine_1(params, tmp_path, iteration_1_begun, actor=False)
     summary = state.result()
     run_dir = tmp_path / summary.run_id
     assert versions(run_dir, 0) == {0}
     assert versions(run_dir, 1) == {1}
     assert len(read_rows(run_dir / "iter-001")) == 32 * 8
+    (row,) = [r for r in engine_rows(state) if r["restarts"]]
+    assert row["replaced_by"] == "restart" and 0 < row["replacement_s"] < 120
     nothing_left(summary.run_id)
 
 
@@ -234,13 +249,6 @@ def test_overlap_learns_the_letter_task_within_the_staleness_bound(ray_local, ti
     for i in range(LETTER_TASK["iterations"]):
         assert len(rows_by_prompt(read_rows(run_dir / f"iter-{i:03d}"))) == 16 * 8
     nothing_left(summary.run_id)
-
-
-def engine_rows(state) -> list[dict]:
-    """The run's engine table (artifact)."""
-    tables = artifacts_of(state.state_details.flow_run_id)["table"]
-    (engines,) = [t for t in tables if t.key == "rollout-engines"]
-    return engines.data if isinstance(engines.data, list) else json.loads(engines.data)
 
 
 def shard_times(run_dir: Path, iteration: int) -> list[float]:

@@ -4,14 +4,10 @@ policy's current weights before it serves; the run completes exactly once."""
 
 from __future__ import annotations
 
-import json
-
 from rollout_support import kill_during_iteration, nothing_left, rows_by_prompt
-from test_on_policy_flow import killable_run
-from test_rollout_flow import artifacts_of
+from test_on_policy_flow import engine_rows, killable_run
 
 from flows.rollout import rollout
-from tasks.artifacts import ENGINES_KEY
 from tasks.shards import read_rows
 
 
@@ -37,11 +33,7 @@ def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tm
     assert {row["weight_version"] for row in rows} == {1}
     assert spare in {row["engine"] for row in rows}
 
-    (engines,) = [
-        t for t in artifacts_of(state.state_details.flow_run_id)["table"] if t.key == ENGINES_KEY
-    ]
-    data = engines.data if isinstance(engines.data, list) else json.loads(engines.data)
-    table = {row["name"]: row for row in data}
+    table = {row["name"]: row for row in engine_rows(state)}
     assert killed[0] not in table  # its slot now shows the spare
     assert table[spare]["replaced_by"] == "spare" and table[spare]["restarts"] == 1
     assert 0 < table[spare]["replacement_s"] < 60

@@ -263,6 +263,51 @@ def test_sleep_frees_gpu_memory_and_wake_up_restores_service(ray_gpu, engines):
     assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["sleeping"] == []
 
 
+def test_killed_engine_core_restarts_in_its_actor(ray_gpu, engines, hf_reference):
+    """vLLM's engine core is killed (SIGKILL, as the kernel's OOM killer or a
+    GPU fault ends it) under its live actor: the engine is reported dead,
+    then started again in the same actor, serving the pretrained weights at
+    version 0 (an earlier test synced others into it)."""
+    import os
+    import signal
+
+    from engines import EngineDeadError
+    from engines.client import get
+    from engines.vllm_engine import restart_engine
+
+    ray = ray_gpu
+    engine = engines[0]
+    before = get(engine.health.remote(), TIMEOUT_S)
+    assert before["engine_core_pids"], before
+    for pid in before["engine_core_pids"]:  # the test runs on the engine's host
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:  # vLLM's monitor notices within a second or so
+        try:
+            get(engine.health.remote(), TIMEOUT_S)
+        except EngineDeadError:
+            break
+        assert time.monotonic() < deadline, "the engine core's death went unnoticed"
+        time.sleep(0.2)
+
+    start = time.monotonic()
+    assert restart_engine(engines, 0)
+    wait_ready([engine], "the engine, restarted in its actor")
+    prompt = prompts_of(ray, engine, ["The quick brown fox"])[0]
+    output = ray.get(engine.generate.remote(prompt, GREEDY), timeout=TIMEOUT_S)
+    took = time.monotonic() - start
+    after = get(engine.health.remote(), TIMEOUT_S)
+    report = get(engine.startup_report.remote(), TIMEOUT_S)
+    print(
+        f"restart in the actor -> first answer: {took:.1f}s; phases "
+        f"{[(p.name, p.seconds) for p in report.phases]}"
+    )
+    assert after["pid"] == before["pid"]
+    assert set(after["engine_core_pids"]).isdisjoint(before["engine_core_pids"])
+    assert after["weight_version"] == 0 and output.weight_version == 0
+    assert_logprob_parity(hf_reference, prompt, output.outputs[0])
+
+
 def test_engine_fields_read_from_source_are_vllms_own():
     """The driver reads AsyncEngineArgs' fields from vLLM's source (no import):
     the same set as the imported dataclass has."""

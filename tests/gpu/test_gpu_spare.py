@@ -3,11 +3,14 @@
 NCCL sync after every step); the engine is killed during iteration 1, the
 spare is woken and synced to the policy's current weights before it serves,
 and the run completes exactly once. Needs three GPUs. On two, a rollout job (no
-policy) checks the spare's life cycle on real vLLM."""
+policy) checks the spare's life cycle on real vLLM. On one, a rollout job
+without a spare whose engine core is killed: the engine restarts in its actor."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -36,9 +39,12 @@ def rows_of(run_dir: Path, iteration: int) -> list[dict]:
     return read_rows(run_dir / f"iter-{iteration:03d}")
 
 
-def run_killing_engine_0(ray, out: Path, iteration: int, **settings):
-    """A run with one engine and one warm spare whose engine is killed once
-    `iteration` wrote its first shard; returns (state, killed actor name)."""
+def run_killing_engine_0(
+    ray, out: Path, iteration: int, spares: int = 1, core_only: bool = False, **settings
+):
+    """A run with one engine and `spares` warm spares whose engine is killed
+    once `iteration` wrote its first shard: its actor, or (`core_only`) only
+    vLLM's engine-core process, by SIGKILL. Returns (state, the engine's name)."""
     from flows.params import RolloutParams
     from flows.rollout import rollout
 
@@ -56,7 +62,12 @@ def run_killing_engine_0(ray, out: Path, iteration: int, **settings):
             for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == namespace and a["name"].endswith("-0")
         )
-        ray.kill(ray.get_actor(names[-1], namespace=namespace), no_restart=True)
+        handle = ray.get_actor(names[-1], namespace=namespace)
+        if core_only:  # the test runs on the engine's host
+            for pid in ray.get(handle.health.remote(), timeout=60)["engine_core_pids"]:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            ray.kill(handle, no_restart=True)
         killed.append(names[-1])
 
     killer = threading.Thread(target=kill, daemon=True)
@@ -67,7 +78,7 @@ def run_killing_engine_0(ray, out: Path, iteration: int, **settings):
         output_dir=str(out),
         output_format="jsonl",
         num_engines=1,
-        spare_engines=1,
+        spare_engines=spares,
         max_len=1024,
         gpu_memory_utilization=0.3,
         engine_kwargs={"enforce_eager": True},
@@ -86,8 +97,9 @@ def run_killing_engine_0(ray, out: Path, iteration: int, **settings):
     return state, killed[0]
 
 
-def spare_row(state, spare: str) -> dict:
-    """The spare's row of the run's engine table (a Prefect artifact)."""
+def engine_row(state, name: str, replaced_by: str, within_s: float) -> dict:
+    """Engine `name`'s row of the run's engine table (a Prefect artifact),
+    replaced once, by `replaced_by`, serving again within `within_s`."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
@@ -101,9 +113,9 @@ def spare_row(state, spare: str) -> dict:
         )
     (table,) = [a for a in artifacts if a.key == ENGINES_KEY]
     data = table.data if isinstance(table.data, list) else json.loads(table.data)
-    row = {r["name"]: r for r in data}[spare]
-    assert row["replaced_by"] == "spare" and row["restarts"] == 1
-    assert 0 < row["replacement_s"] < 30
+    row = {r["name"]: r for r in data}[name]
+    assert row["replaced_by"] == replaced_by and row["restarts"] == 1, row
+    assert 0 < row["replacement_s"] < within_s, row
     return row
 
 
@@ -132,7 +144,7 @@ def test_killed_engine_is_replaced_by_the_synced_spare(
     assert {row["weight_version"] for row in rows} == {1}
     by_spare = [row for row in rows if row["engine"] == spare]
     assert by_spare, "the spare served nothing"
-    row = spare_row(state, spare)
+    row = engine_row(state, spare, "spare", 30)
     print(
         f"\nspare {spare} served {len(by_spare)} rows of iteration 1; replacement "
         f"{row['replacement_s']}s (woken + synced); run {time.monotonic() - began:.0f}s"
@@ -155,6 +167,23 @@ def test_killed_engine_is_replaced_by_the_spare_in_a_rollout_job(
     assert len(rows) == len(keys) == PROMPTS * N
     by_spare = [row for row in rows if row["engine"] == spare]
     assert by_spare, "the spare served nothing"
-    row = spare_row(state, spare)
+    row = engine_row(state, spare, "spare", 30)
     print(f"\nspare {spare} served {len(by_spare)} rows; replacement {row['replacement_s']}s")
+    wait_gpus_released(gpu_baseline)
+
+
+def test_engine_whose_core_died_restarts_in_its_actor_in_a_rollout_job(
+    ray_gpu, gpu_model, gpu_baseline, prefect_harness, tmp_path
+):
+    """One GPU, no spare: vLLM's engine core is killed mid-run under its live
+    actor; the engine starts again in that actor and the run writes every
+    rollout exactly once."""
+    state, engine = run_killing_engine_0(
+        ray_gpu, tmp_path / "out", 0, spares=0, core_only=True, model=gpu_model
+    )
+    rows = rows_of(Path(state.result().output_dir), 0)
+    keys = {(row["prompt_index"], row["sample_index"]) for row in rows}
+    assert len(rows) == len(keys) == PROMPTS * N
+    row = engine_row(state, engine, "restart", READY_TIMEOUT_S)
+    print(f"\nengine {engine} restarted in its actor, serving again after {row['replacement_s']}s")
     wait_gpus_released(gpu_baseline)

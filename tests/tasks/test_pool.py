@@ -44,12 +44,19 @@ def test_placement_problem_only_while_the_group_waits_for_room(ray_local, cpus):
 
 class FakeEngines:
     """Stands in for an `EngineSet`: two engine names; replacing one (the
-    patched `replace_engine`) only counts."""
+    patched `replace_engine`) or restarting it (`restart_engine`, which
+    succeeds when `restartable`) only counts."""
 
     names = ["rf-test-0", "rf-test-1"]
 
     def __init__(self) -> None:
         self.replaced: list[int] = []
+        self.restarted: list[int] = []
+        self.restartable = False
+
+    def restart(self, index: int) -> bool:
+        self.restarted.append(index)
+        return self.restartable
 
     def __len__(self) -> int:
         return len(self.names)
@@ -60,6 +67,9 @@ def fake_pool(monkeypatch) -> EnginePool:
     monkeypatch.setattr(pool_module, "swap_in_spare", lambda engines, index, timeout_s: None)
     monkeypatch.setattr(
         pool_module, "replace_engine", lambda engines, index: engines.replaced.append(index)
+    )
+    monkeypatch.setattr(
+        pool_module, "restart_engine", lambda engines, index: engines.restart(index)
     )
     pool = EnginePool(FakeEngines())
     pool.mark_failed(1, EngineDeadError("killed", "rf-test-1"))
@@ -120,3 +130,31 @@ def test_a_failure_of_the_replaced_engine_leaves_its_replacement_alone(fake_pool
     assert fake_pool.live() == [0, 1] and fake_pool.stats[1].failures == 1
     fake_pool.mark_failed(1, EngineDeadError("killed again", "rf-test-1"), restarts=1)
     assert fake_pool.live() == [0]
+
+
+def test_a_dead_engine_restarts_in_its_actor_when_the_actor_takes_it(fake_pool):
+    fake_pool.engines.restartable = True
+    with fake_pool.replacement(LOGGER, timeout_s=5, wait_s=5) as replaced:
+        assert replaced == [1]
+    assert fake_pool.engines.restarted == [1] and fake_pool.engines.replaced == []
+    assert fake_pool.stats[1].replaced_by == "restart"
+
+
+def test_an_engine_whose_actor_cannot_restart_it_gets_a_new_actor(fake_pool):
+    with fake_pool.replacement(LOGGER, timeout_s=5, wait_s=5):
+        pass
+    assert fake_pool.engines.restarted == [1] and fake_pool.engines.replaced == [1]
+    assert fake_pool.stats[1].replaced_by == "new"
+
+
+def test_a_hung_engine_is_not_restarted_in_its_actor(fake_pool):
+    """A hang may hold the actor's own threads (an RPC cannot be interrupted):
+    only a new actor is sure to start clean."""
+    fake_pool.engines.restartable = True
+    with fake_pool.replacement(LOGGER, timeout_s=5, wait_s=5):
+        pass
+    fake_pool.mark_failed(1, EngineTimeoutError("no answer in 5s", "rf-test-1"))
+    with fake_pool.replacement(LOGGER, timeout_s=5, wait_s=5):
+        pass
+    assert fake_pool.engines.restarted == [1] and fake_pool.engines.replaced == [1]
+    assert fake_pool.stats[1].replaced_by == "new"
