@@ -15,7 +15,12 @@ from typing import Any
 
 from engines.admission import Admission
 from engines.config import EngineConfig
-from engines.errors import EngineSleepingError, PromptTooLongError, RequestError
+from engines.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    PromptTooLongError,
+    RequestError,
+)
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.startup import StartupClock, StartupReport
@@ -186,16 +191,27 @@ class RolloutEngine(abc.ABC):
         own start only. Returns at once; `ready()` waits for the restart and
         raises its error. The engine serves the weights it loads, at version
         0, as a new engine would."""
-        if self._restart is not None and not self._restart.done():
-            raise RequestError(f"engine {self.config.name} is already restarting")
+        name = self.config.name
+        if self._restart is not None:
+            if not self._restart.done():
+                raise RequestError(f"engine {name} is already restarting")
+            if self._restart.cancelled() or self._restart.exception() is not None:
+                # Half started: only a new actor is sure to start clean.
+                raise EngineDeadError(f"engine {name} failed to restart in this actor before")
         self._restart = asyncio.ensure_future(self._start_again())
 
     async def _start_again(self) -> None:
-        await self.shutdown()
-        # Everything `__init__` sets is the engine's state, so starting again
-        # is `__init__` again; in a thread, since it blocks for the whole start.
-        clock = StartupClock()
-        await asyncio.to_thread(type(self).__init__, self, self.config, clock)
+        try:
+            await self.shutdown()
+            # Everything `__init__` sets is the engine's state, so starting
+            # again is `__init__` again; in a thread: it blocks for the whole start.
+            clock = StartupClock()
+            await asyncio.to_thread(type(self).__init__, self, self.config, clock)
+        except Exception as exc:
+            raise EngineDeadError(
+                f"engine {self.config.name} did not restart in its actor: {exc!r}",
+                engine=self.config.name,
+            ) from exc
         logger.info("engine %s restarted in %.1fs", self.config.name, self.startup.seconds)
 
     async def startup_report(self) -> StartupReport:

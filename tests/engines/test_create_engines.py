@@ -161,6 +161,18 @@ def test_engine_that_died_restarts_in_its_actor(ray_local, tiny_model):
         phases = [p.name for p in get(engine.startup_report.remote(), 30).phases]
         assert "imports" not in phases and "model load" in phases
 
+        # A restart that fails leaves the engine dead, and the actor refuses
+        # another: the caller then replaces the actor.
+        def lose_the_model(actor) -> None:
+            actor.config = actor.config.model_copy(update={"pretrain": "/nonexistent/model"})
+
+        end_generation_thread(engine)
+        get(engine.__ray_call__.remote(lose_the_model), 30)
+        assert restart_engine(engines, 0)
+        with pytest.raises(EngineDeadError, match="did not restart in its actor"):
+            get(engine.ready.remote(), 120)
+        assert not restart_engine(engines, 0)
+
         ray.kill(engine, no_restart=True)
         assert not restart_engine(engines, 0)  # no actor to restart it in
     finally:
