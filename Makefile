@@ -34,9 +34,10 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 # Two workers, a test file each at a time: most of the suite waits on
-# processes it starts (Ray nodes, Prefect servers, engine actors).
+# processes it starts (Ray nodes, Prefect servers, engine actors). The
+# slowest tests are listed at the end, to keep the suite's time in view.
 test: venv lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 bench: venv
 	$(BIN)/python benchmarks/weight_sync_cpu.py
