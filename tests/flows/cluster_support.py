@@ -217,9 +217,12 @@ class ProcessCluster:
                 os.killpg(node.process.pid, signal.SIGTERM)
             except ProcessLookupError:
                 continue
+        # One deadline for all: `ray start --block` may sit out a SIGTERM,
+        # and waiting for each node in turn added up to a minute.
+        deadline = time.monotonic() + 10
         for node in self.nodes.values():
             try:
-                node.process.wait(timeout=20)
+                node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             try:  # raylets and workers left in the group
