@@ -87,3 +87,19 @@ def wait_gpus_released(baseline_mib: list[int], slack_mib: int = 2048, timeout_s
                 f"baseline {baseline_mib} MiB"
             )
         time.sleep(0.5)
+
+
+def kill_engine_core(engine) -> list[int]:
+    """SIGKILL vLLM's engine-core processes of `engine` (the tests run on the
+    engine's host), as the kernel's OOM killer or a GPU fault ends them;
+    returns their pids."""
+    import os
+    import signal
+
+    import ray
+
+    pids = ray.get(engine.health.remote(), timeout=60)["engine_core_pids"]
+    assert pids, "the engine reports no engine-core process"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids

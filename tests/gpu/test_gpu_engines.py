@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from gpu_helpers import assert_logprob_parity, wait_gpus_released, wait_ready
+from gpu_helpers import assert_logprob_parity, kill_engine_core, wait_gpus_released, wait_ready
+from waiting import wait_until
 
 from engines import (
     EngineSleepingError,
@@ -268,9 +269,6 @@ def test_killed_engine_core_restarts_in_its_actor(ray_gpu, engines, hf_reference
     GPU fault ends it) under its live actor: the engine is reported dead,
     then started again in the same actor, serving the pretrained weights at
     version 0 (an earlier test synced others into it)."""
-    import os
-    import signal
-
     from engines import EngineDeadError
     from engines.client import get
     from engines.vllm_engine import restart_engine
@@ -278,17 +276,16 @@ def test_killed_engine_core_restarts_in_its_actor(ray_gpu, engines, hf_reference
     ray = ray_gpu
     engine = engines[0]
     before = get(engine.health.remote(), TIMEOUT_S)
-    assert before["engine_core_pids"], before
-    for pid in before["engine_core_pids"]:  # the test runs on the engine's host
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:  # vLLM's monitor notices within a second or so
+    killed = kill_engine_core(engine)
+
+    def reported_dead() -> bool:
         try:
             get(engine.health.remote(), TIMEOUT_S)
         except EngineDeadError:
-            break
-        assert time.monotonic() < deadline, "the engine core's death went unnoticed"
-        time.sleep(0.2)
+            return True
+        return False
+
+    wait_until(reported_dead, TIMEOUT_S, "the engine core's death to be reported")
 
     start = time.monotonic()
     assert restart_engine(engines, 0)
@@ -303,7 +300,7 @@ def test_killed_engine_core_restarts_in_its_actor(ray_gpu, engines, hf_reference
         f"{[(p.name, p.seconds) for p in report.phases]}"
     )
     assert after["pid"] == before["pid"]
-    assert set(after["engine_core_pids"]).isdisjoint(before["engine_core_pids"])
+    assert set(after["engine_core_pids"]).isdisjoint(killed)
     assert after["weight_version"] == 0 and output.weight_version == 0
     assert_logprob_parity(hf_reference, prompt, output.outputs[0])
 

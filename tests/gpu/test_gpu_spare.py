@@ -9,14 +9,12 @@ without a spare whose engine core is killed: the engine restarts in its actor.""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from gpu_helpers import READY_TIMEOUT_S, wait_gpus_released
+from gpu_helpers import READY_TIMEOUT_S, kill_engine_core, wait_gpus_released
 
 from tasks.shards import read_rows
 
@@ -63,9 +61,8 @@ def run_killing_engine_0(
             if a["namespace"] == namespace and a["name"].endswith("-0")
         )
         handle = ray.get_actor(names[-1], namespace=namespace)
-        if core_only:  # the test runs on the engine's host
-            for pid in ray.get(handle.health.remote(), timeout=60)["engine_core_pids"]:
-                os.kill(pid, signal.SIGKILL)
+        if core_only:
+            kill_engine_core(handle)
         else:
             ray.kill(handle, no_restart=True)
         killed.append(names[-1])
