@@ -14,6 +14,7 @@ the run uses a local Prefect server that the CLI starts and that ends with it.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import os
 import sys
@@ -195,13 +196,51 @@ def start_ray(params: RolloutParams) -> bool:
     return started
 
 
-def warm_up(params: RolloutParams) -> None:
-    """While the Prefect server starts (another process, another core): the
-    tiny model's first build, which the run would do next anyway."""
-    if params.model is None:
-        from engines.tiny_model import ensure_tiny_model
+def checked_model(params: RolloutParams) -> str | None:
+    """The run's model directory if its input passes the flow's own checks
+    (sampling fields, reward, logger, every prompt), else None: engines
+    start early only for such a run, so that a run failing on its input
+    still fails before anything is created. Runs beside `ray.init`."""
+    from flows.rollout import check_settings, prompt_fields
+    from tasks.engines import model_path
+    from tasks.prompts import read_run_prompts
 
-        ensure_tiny_model()
+    try:
+        model = model_path(params.model)
+        check_settings(params)
+        read_run_prompts(
+            params.prompts_path, prompt_fields(params), model, params.apply_chat_template
+        )
+    except Exception:  # noqa: BLE001 - the flow fails on the same, with the run's context
+        return None
+    return model
+
+
+def start_engines_early(params: RolloutParams, model: str) -> None:
+    """Start the run's engines now, on the local Ray started here, beside the
+    Prefect server's start. Their own start (a Ray worker importing torch and
+    transformers, then the model load) otherwise began only after the
+    server's and the flow's, on the way to the first row. The flow's
+    `create_engines` takes them, its request being the same
+    (docs/benchmarks.md)."""
+    import ray
+
+    from engines.errors import EngineSpecError
+    from engines.placement import check_cluster_fits
+    from engines.vllm_engine import resolve_backend
+    from flows.rollout import engine_request
+    from tasks.engines import start_early
+
+    try:
+        backend = resolve_backend(params.backend)
+        check_cluster_fits(
+            params.num_engines + params.spare_engines,
+            params.tensor_parallel_size,
+            uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
+        )
+        start_early(engine_request(params, model, backend))
+    except EngineSpecError:
+        return  # the flow fails on the same, with the run's context
 
 
 def startup_line(
@@ -276,16 +315,20 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[PREFECT_API_URL] = server.api_url
             if cores_to_spare():
                 server.start()
-        ray_here = start_ray(params)
-        if server is not None:
-            server.start()  # a no-op when it started beside Ray
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            checked = executor.submit(checked_model, params)
+            ray_here = start_ray(params)
+            model = checked.result()
         ray_s = time.monotonic() - began
         signals.install()  # ray.init took SIGTERM
         signals.check()
+        if ray_here and model is not None:
+            start_engines_early(params, model)
+        if server is not None:
+            server.start()  # a no-op when it started beside Ray
         from flows.rollout import rollout
 
         if server is not None:
-            warm_up(params)
             server.wait_ready(float(os.environ[PREFECT_STARTUP_TIMEOUT]))
         print(startup_line(params, server, time.monotonic() - began, ray_here, ray_s), flush=True)
         signals.check()

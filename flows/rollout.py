@@ -27,7 +27,13 @@ from flows.params import RolloutParams
 from flows.schedule import Pipeline
 from tasks.artifacts import publish_engine_table, publish_summary, publish_training_table
 from tasks.cluster import provision_cluster
-from tasks.engines import create_engines, resolve_model, teardown, wait_until_ready
+from tasks.engines import (
+    EngineRequest,
+    create_engines,
+    resolve_model,
+    teardown,
+    wait_until_ready,
+)
 from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
 from tasks.loggers import MetricsLogger, check_logger, open_logger
 from tasks.pool import EnginePool
@@ -88,6 +94,30 @@ def run_name() -> str:
     return f"{model}-x{engines}-{params.get('iterations', defaults.iterations)}it"
 
 
+def check_settings(params: RolloutParams) -> None:
+    """The run's sampling fields, reward (a bad import path) and logger: the
+    input checks besides the prompts'."""
+    params.sampling()
+    if params.reward:
+        load_reward(params.reward, params.reward_style)
+    check_logger(params.logger)
+
+
+def engine_request(params: RolloutParams, model: str, backend: str) -> EngineRequest:
+    """The engines a run of `params` starts (the flow, or the CLI early)."""
+    return EngineRequest(
+        model=model,
+        backend=backend,
+        num_engines=params.num_engines,
+        tensor_parallel_size=params.tensor_parallel_size,
+        max_len=params.max_len,
+        gpu_memory_utilization=params.gpu_memory_utilization,
+        seed=params.seed,
+        engine_kwargs=params.engine_kwargs,
+        spare_engines=params.spare_engines,
+    )
+
+
 @flow(
     name="rollout",
     flow_run_name=run_name,
@@ -104,10 +134,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     scope = RunScope(run_id=str(flow_run.get_id()), attempt=flow_run.get_run_count())
     # Input first: bad prompts, sampling fields or reward, or a clashing
     # output directory fail the run before anything is created.
-    params.sampling()
-    if params.reward:
-        load_reward(params.reward, params.reward_style)  # a bad import path fails here
-    check_logger(params.logger)
+    check_settings(params)
     model = resolve_model(params.model)
     prompts = load_prompts(
         params.prompts_path, prompt_fields(params), model, params.apply_chat_template
@@ -136,18 +163,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     metrics_logger: MetricsLogger | None = None
     try:
         metrics_logger = open_logger(params.logger, run_dir, scope.run_id, params.model_dump())
-        pool = create_engines(
-            scope=scope,
-            cluster=cluster,
-            model=model,
-            num_engines=params.num_engines,
-            tensor_parallel_size=params.tensor_parallel_size,
-            max_len=params.max_len,
-            gpu_memory_utilization=params.gpu_memory_utilization,
-            seed=params.seed,
-            engine_kwargs=params.engine_kwargs,
-            spare_engines=params.spare_engines,
-        )
+        pool = create_engines(scope=scope, request=engine_request(params, model, cluster.backend))
         # The policy and the reward actor start while the engines start
         # (after them: the engines' placement group is reserved first), and
         # iteration 0's generation does not wait for the policy.

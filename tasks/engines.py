@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines import EngineFailure, EngineTimeoutError, create_vllm_engines, destroy_engines
+from engines import (
+    EngineFailure,
+    EngineSet,
+    EngineTimeoutError,
+    create_vllm_engines,
+    destroy_engines,
+)
 from engines.client import get
 from tasks.cluster import Cluster
 from tasks.pool import EnginePool
@@ -25,48 +33,106 @@ def retry_on_engine_failure(task, task_run, state) -> bool:
     return isinstance(state.result(raise_on_failure=False), EngineFailure)
 
 
-@task(cache_policy=NO_CACHE, persist_result=False)
-def resolve_model(model: str | None) -> str:
+def model_path(model: str | None) -> str:
     """The model directory; the tiny test model (built once) when none is given."""
     if model:
         return model
     from engines.tiny_model import ensure_tiny_model  # builds with torch, on first use only
 
-    path = str(ensure_tiny_model())
-    get_run_logger().info("no model given: using the tiny test model at %s", path)
-    return path
+    return str(ensure_tiny_model())
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def create_engines(
-    *,
-    scope: RunScope,
-    cluster: Cluster,
-    model: str,
-    num_engines: int,
-    tensor_parallel_size: int,
-    max_len: int,
-    gpu_memory_utilization: float,
-    seed: int,
-    engine_kwargs: dict | None = None,
-    spare_engines: int = 0,
-) -> EnginePool:
-    """Start the engines, and `spare_engines` warm spares (returns at once;
-    `wait_until_ready` waits for them)."""
-    engines = create_vllm_engines(
-        num_engines,
-        model,
-        max_len,
-        gpu_memory_utilization,
-        tensor_parallel_size,
-        seed,
-        backend=cluster.backend,
-        name_prefix=scope.name_prefix,
-        namespace=scope.namespace,
-        spare_engines=spare_engines,
-        **(engine_kwargs or {}),
-    )
-    get_run_logger().info("starting %s in namespace %s", engines.names, engines.namespace)
+def resolve_model(model: str | None) -> str:
+    """The model directory; the tiny test model (built once) when none is given."""
+    path = model_path(model)
+    if not model:
+        get_run_logger().info("no model given: using the tiny test model at %s", path)
+    return path
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """The engines a run asks for, as `create_vllm_engines`' arguments."""
+
+    model: str
+    backend: str
+    num_engines: int
+    tensor_parallel_size: int
+    max_len: int
+    gpu_memory_utilization: float
+    seed: int
+    engine_kwargs: dict[str, Any] | None = None
+    spare_engines: int = 0
+
+    def start(self, name_prefix: str | None = None, namespace: str | None = None) -> EngineSet:
+        return create_vllm_engines(
+            self.num_engines,
+            self.model,
+            self.max_len,
+            self.gpu_memory_utilization,
+            self.tensor_parallel_size,
+            self.seed,
+            backend=self.backend,
+            name_prefix=name_prefix,
+            namespace=namespace,
+            spare_engines=self.spare_engines,
+            **(self.engine_kwargs or {}),
+        )
+
+
+@dataclass(frozen=True)
+class EarlyEngines:
+    request: EngineRequest
+    engines: EngineSet
+    started_at: float  # time.monotonic() when they were created
+
+
+# The engines this process started before its flow (the CLI's, at most one
+# set): `create_engines` takes them when it asks for the same.
+_early: EarlyEngines | None = None
+
+
+def start_early(request: EngineRequest) -> EngineSet:
+    """Start a run's engines before its flow runs: the CLI does, on the local
+    Ray it started, while Prefect's server comes up. Their names are their own
+    (the flow run's id is not known yet); they end with that local Ray."""
+    global _early
+    if _early is not None:
+        raise RuntimeError("engines were already started early in this process")
+    engines = request.start()
+    _early = EarlyEngines(request, engines, time.monotonic())
+    return engines
+
+
+def take_early(request: EngineRequest) -> EarlyEngines | None:
+    """The early engines if they are what `request` asks for; others are
+    destroyed. Either way there are none left to take."""
+    global _early
+    early, _early = _early, None
+    if early is None:
+        return None
+    if early.request != request:
+        destroy_engines(early.engines)
+        return None
+    return early
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def create_engines(*, scope: RunScope, request: EngineRequest) -> EnginePool:
+    """Start the engines, and `request.spare_engines` warm spares (returns at
+    once; `wait_until_ready` waits for them), or take the ones the CLI
+    started early for the same request."""
+    logger = get_run_logger()
+    if early := take_early(request):
+        logger.info(
+            "using %s, started %.1f s ago while Prefect came up",
+            early.engines.names,
+            time.monotonic() - early.started_at,
+        )
+        return EnginePool(early.engines, started_at=early.started_at)
+    engines = request.start(scope.name_prefix, scope.namespace)
+    logger.info("starting %s in namespace %s", engines.names, engines.namespace)
     return EnginePool(engines)
 
 

@@ -56,10 +56,10 @@ class PoolClosedError(RuntimeError):
 
 
 class EnginePool:
-    def __init__(self, engines: EngineSet):
+    def __init__(self, engines: EngineSet, started_at: float | None = None):
         self.engines = engines
         self.stats = [EngineStats(name) for name in engines.names]
-        self.started_at = [time.monotonic()] * len(engines)
+        self.started_at = [started_at or time.monotonic()] * len(engines)
         self.ready: set[int] = set()
         # Engines that died or hung, by index: replaced before the next try.
         self.failed: dict[int, BaseException] = {}

@@ -276,12 +276,19 @@ def chat_template_of(model: str) -> ChatTemplate:
     return render
 
 
+def read_run_prompts(
+    path: str, fields: PromptFields, model: str | None, apply_chat_template: bool
+) -> Prompts:
+    """A run's prompts, rendered with the model's chat template if asked."""
+    template = chat_template_of(model) if apply_chat_template else None
+    return read_prompts(path, fields, template)
+
+
 @task(cache_policy=NO_CACHE, persist_result=False)
 def load_prompts(
     path: str, fields: PromptFields, model: str | None = None, apply_chat_template: bool = False
 ) -> Prompts:
     """Read and check every prompt before any engine is started."""
-    template = chat_template_of(model) if apply_chat_template else None
-    prompts = read_prompts(path, fields, template)
+    prompts = read_run_prompts(path, fields, model, apply_chat_template)
     get_run_logger().info("%d prompts from %s", len(prompts), prompts.path)
     return prompts

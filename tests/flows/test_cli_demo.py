@@ -64,6 +64,9 @@ def test_cli_demo_teaches_and_says_where_everything_is(tiny_model, tmp_path):
     assert "Prefect API: local server at http://127.0.0.1:" in done.stdout
     assert f"PREFECT_HOME={env['PREFECT_HOME']}" in done.stdout
     assert f"/runs/flow-run/{run_dir.name}" in done.stdout
+    # The flow took the engine the CLI started beside Prefect's server.
+    early = r"create_engines-\w+' - using \['rolloutflow-engine-[0-9a-f]{8}-0'\], started"
+    assert re.search(early, done.stdout + done.stderr), done.stderr[-3000:]
 
 
 def test_cli_rejects_bad_flags_before_starting_anything(tmp_path):
