@@ -1,6 +1,6 @@
 """A trainer process that starts a bucketed sync with rolloutflow's sender
 and dies part-way (after sending some buckets), as a crashed trainer would.
-Run by test_engines.py as a separate process.
+Run by test_sync_into_engines.py as a separate process.
 
     python dying_trainer.py GCS_ADDRESS NAMESPACE ENGINE_NAMES BUCKETS_BEFORE_DEATH
 """

@@ -1,6 +1,6 @@
 """An outside trainer that speaks only torch.distributed (gloo) and
 OpenRLHF's engine-actor methods: no rolloutflow import. Run by
-test_engines.py as a separate process.
+test_sync_into_engines.py as a separate process.
 
 It builds its weight group with OpenRLHF's helper (copied below from
 openrlhf/utils/distributed_util.py: torch.distributed pieces under a

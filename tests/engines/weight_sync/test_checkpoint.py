@@ -1,5 +1,5 @@
 """The checkpoint-directory transport: the safetensors layout on disk
-(engines loading it: test_session.py on a fake engine, test_engines.py on
+(engines loading it: test_session.py on a fake engine, test_sync_into_engines.py on
 real ones)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """OpenRLHF's per-parameter transport on a fake engine over a real gloo group:
 the trainer (rank 0, a thread here) broadcasts each tensor right after
 `update_weight`, as OpenRLHF's `_broadcast_to_vllm` does. The same with real
-engines and a trainer process: test_engines.py."""
+engines and a trainer process: test_sync_into_engines.py."""
 
 from __future__ import annotations
 

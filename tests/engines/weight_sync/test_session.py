@@ -1,6 +1,6 @@
 """The engine actor's sync session (`WeightSync`) on a fake engine: the real
 session and worker router over a small torch module, with the checkpoint
-transport (no process group needed). Real engines are in test_engines.py."""
+transport (no process group needed). Real engines are in test_sync_into_engines.py."""
 
 from __future__ import annotations
 
