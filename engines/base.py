@@ -47,6 +47,21 @@ def wake_tags(tags: list[str] | None) -> set[str]:
     return chosen
 
 
+def wait_turn(after: list[Any] | None, timeout_s: float, name: str) -> None:
+    """Engines that share a GPU start one at a time: vLLM sizes its KV cache
+    from the GPU's free memory before and after a profiling pass, so one
+    engine's allocations (or a spare's sleep) during another's profiling
+    leave it without a KV cache ("No available memory for the cache
+    blocks"). `after`: the object whose readiness is this engine's turn
+    (the previous engine's `ready`, a spare's sleep); its outcome does not
+    matter, a failed predecessor frees its memory too."""
+    import ray
+
+    done, _ = ray.wait(list(after), timeout=timeout_s)
+    if not done:
+        logger.warning("engine %s starts after %gs without its turn on the GPU", name, timeout_s)
+
+
 def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows: int) -> None:
     """At start-up: a trainer that added tokens (and resized its embeddings to
     its tokenizer) sends embed_tokens/lm_head with more rows than the engine
@@ -229,6 +244,11 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    async def wait_gpu_room(self, timeout_s: float) -> float:
+        """Before `wake_up` on a shared GPU: wait until it has room for what
+        waking allocates; returns the seconds waited. No GPU: nothing to wait for."""
+        return 0.0
 
     async def pause_generation(self, mode: str = "keep") -> None:
         """Stop admitting new work; requests in flight are frozen where they

@@ -25,6 +25,7 @@ from engines.base import (
     SLEEP_TAGS,
     RolloutEngine,
     check_sleep_level,
+    wait_turn,
     wake_tags,
     warn_vocab_mismatch,
 )
@@ -111,7 +112,13 @@ def sequence_seed(request_seed: int, index: int) -> int:
 class HFEngine(RolloutEngine):
     backend = "hf"
 
-    def __init__(self, config: EngineConfig, clock: StartupClock | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: StartupClock | None = None,
+        after: list[Any] | None = None,
+    ):
+        """`after`: wait for these before the model loads (`wait_turn`)."""
         clock = clock or actor_clock()
         import_torch()
         clock.mark("torch and transformers imports")
@@ -130,6 +137,9 @@ class HFEngine(RolloutEngine):
         if kwargs:
             logger.info("backend 'hf' ignores vLLM engine arguments %s", sorted(kwargs))
 
+        if after:
+            wait_turn(after, env.ready_timeout_s(), config.name)
+            clock.mark("its turn on a shared device: the engine before it up")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(
             config.pretrain, trust_remote_code=trust_remote_code

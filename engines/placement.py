@@ -37,6 +37,27 @@ class EnginePlacement:
     bundles: list[list[int]]
     uses_gpu: bool
     owns_group: bool  # False for a caller's shared_pg: we never remove it
+    #: The fraction of its bundle's GPU and CPU an engine actor takes: all of
+    #: it on bundles of its own, less where actors share a bundle.
+    share: float = 1.0
+    #: Every engine and spare sits on bundle 0 beside their trainer, which
+    #: takes a share of its own (`trainer_options`).
+    with_trainer: bool = False
+    #: Engines may share a GPU: they start one at a time (`base.wait_turn`).
+    one_at_a_time: bool = False
+
+    def trainer_options(self) -> dict:
+        """Ray actor options that put the set's trainer on its GPU, beside
+        the engines (`place_with_trainer`)."""
+        if not self.with_trainer:
+            raise EngineSpecError("these engines were not placed with a trainer")
+        return {
+            "num_cpus": self.share,
+            "num_gpus": self.share if self.uses_gpu else 0.0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=0
+            ),
+        }
 
     def strategy(self, bundles: list[int]) -> PlacementGroupSchedulingStrategy:
         """Where an engine on `bundles` (one of `self.bundles`) goes."""
@@ -125,6 +146,39 @@ def place_engines(
     return EnginePlacement(pg, bundles, uses_gpu, owns_group=True)
 
 
+def place_with_trainer(
+    *, num_engines: int, uses_gpu: bool, name_prefix: str, timeout_s: float
+) -> EnginePlacement:
+    """One bundle (one GPU, or one CPU) for the engines and their trainer
+    together: each takes an equal share of it, and the trainer's weights reach
+    the engines through CUDA IPC on that GPU. A share of a single bundle,
+    not a bundle each: bundles with GPU fractions may land on different GPUs
+    of one node, where CUDA IPC from the trainer's tensors does not reach."""
+    check_cluster_fits(1, 1, uses_gpu)
+    bundle = {"GPU": 1, "CPU": 1} if uses_gpu else {"CPU": 1}
+    pg = placement_group([bundle], strategy="PACK", name=placement_group_name(name_prefix))
+    try:
+        wait_ready(pg, timeout_s, f"engines {name_prefix}-* and their trainer")
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    logger.info(
+        "placement group %s: %d engines and their trainer on one %s",
+        placement_group_name(name_prefix),
+        num_engines,
+        "GPU" if uses_gpu else "CPU",
+    )
+    return EnginePlacement(
+        pg,
+        [[0]] * num_engines,
+        uses_gpu,
+        owns_group=True,
+        share=1.0 / (num_engines + 1),
+        with_trainer=True,
+        one_at_a_time=uses_gpu,
+    )
+
+
 def use_shared_group(
     pg: PlacementGroup, *, num_engines: int, tensor_parallel_size: int, timeout_s: float
 ) -> EnginePlacement:
@@ -139,7 +193,15 @@ def use_shared_group(
     wait_ready(pg, timeout_s, "the shared placement group")
     bundles = assign_bundles(bundles_by_node(pg), num_engines, tensor_parallel_size)
     uses_gpu = all(spec.get("GPU", 0) > 0 for spec in specs)
-    return EnginePlacement(pg, bundles, uses_gpu, owns_group=False)
+    return EnginePlacement(
+        pg,
+        bundles,
+        uses_gpu,
+        owns_group=False,
+        share=COLOCATED_SHARE,
+        # Bundles with a fraction of a GPU: Ray may put several on one GPU.
+        one_at_a_time=uses_gpu and any(spec.get("GPU", 0) < 1 for spec in specs),
+    )
 
 
 def remove_named_groups(name_prefix: str) -> int:

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from engines.base import (
     SLEEP_TAGS,
     RolloutEngine,
     check_sleep_level,
+    wait_turn,
     wake_tags,
     warn_vocab_mismatch,
 )
@@ -146,10 +148,20 @@ def worker_memory(worker: Any) -> dict[str, Any]:
     }
 
 
+#: How often `wait_gpu_room` looks at the GPU's free memory.
+ROOM_POLL_S = 0.1
+
+
 class VLLMEngine(RolloutEngine):
     backend = "vllm"
 
-    def __init__(self, config: EngineConfig, clock: StartupClock | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: StartupClock | None = None,
+        after: list[Any] | None = None,
+    ):
+        """`after`: wait for these before vLLM starts (`wait_turn`)."""
         clock = clock or actor_clock()
         if os.environ.get(env.VLLM_ENABLE_V1_MULTIPROCESSING, "1") != "0":  # else no core process
             forkserver.start(ENGINE_CORE_MODULES)
@@ -186,6 +198,9 @@ class VLLMEngine(RolloutEngine):
         # docs/benchmarks.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         clock.mark("engine arguments")
+        if after:
+            wait_turn(after, env.ready_timeout_s(), config.name)
+            clock.mark("its turn on a shared GPU: the engine before it up")
         self.engine = api.AsyncLLM.from_engine_args(args, usage_context=api.UsageContext.LLM_CLASS)
         clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
         # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
@@ -344,8 +359,32 @@ class VLLMEngine(RolloutEngine):
             )
         # "wait": requests in flight finish first (vLLM's default aborts them).
         # Level 1 offloads weights to CPU and drops the KV cache; level 2 drops both.
+        before = await self._rpc(worker_memory)
         await self._core(self.engine.sleep(level, mode="wait"))
         self._asleep = set(SLEEP_TAGS)
+        # What waking takes back, per GPU (`wait_gpu_room`).
+        after = {gpu["gpu_uuid"]: gpu["used_bytes"] for gpu in await self._rpc(worker_memory)}
+        self._slept_bytes = {
+            gpu["gpu_uuid"]: max(0, gpu["used_bytes"] - after.get(gpu["gpu_uuid"], 0))
+            for gpu in before
+        }
+
+    async def wait_gpu_room(self, timeout_s: float) -> float:
+        """Wait until each of this sleeping engine's GPUs has the room its
+        wake-up takes back (what its sleep freed): on a GPU it shares with an
+        engine that just died, that engine's memory is freed a moment after
+        its death, and waking into it fails with CUDA's out of memory. Returns
+        the seconds waited; past `timeout_s` it returns anyway."""
+        began = time.monotonic()
+        needed = getattr(self, "_slept_bytes", {})
+        while needed and time.monotonic() - began < timeout_s:
+            gpus = await self._rpc(worker_memory)
+            if all(
+                g["total_bytes"] - g["used_bytes"] >= needed.get(g["gpu_uuid"], 0) for g in gpus
+            ):
+                break
+            await asyncio.sleep(ROOM_POLL_S)
+        return time.monotonic() - began
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         tags_set = wake_tags(tags)

@@ -30,14 +30,17 @@ from engines.errors import (
     EngineTimeoutError,
 )
 from engines.placement import (
-    COLOCATED_SHARE,
     EnginePlacement,
     place_engines,
+    place_with_trainer,
     remove_named_groups,
     use_shared_group,
 )
 
 logger = logging.getLogger(__name__)
+
+#: What vLLM takes for `gpu_memory_utilization=None` (EngineArgs, v0.26.0).
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
@@ -153,6 +156,7 @@ def create_vllm_engines(
     remote_rm_url: Any = None,
     max_images_per_prompt: int = 0,
     spare_engines: int = 0,
+    colocate_trainer: bool = False,
     **engine_kwargs: Any,
 ) -> EngineSet:
     """Start `num_engines` rollout engines as named Ray actors; engine i is named
@@ -177,6 +181,11 @@ def create_vllm_engines(
     `spare_engines` (ours): that many more engines on bundles of the same
     placement group, put to sleep once up (`start_spare`); `swap_in_spare`
     puts one in a dead engine's place, awake, in seconds.
+
+    `colocate_trainer` (ours): the engines and spares share one GPU with
+    their trainer, as verl's hybrid engine does (on-policy RL on one GPU):
+    one bundle, an equal share each; `engines.placement.trainer_options()`
+    are the trainer's Ray options. Weights then go over CUDA IPC.
     """
     openrlhf = spec.OpenRLHFKeywords(
         max_model_len=max_model_len,
@@ -196,6 +205,14 @@ def create_vllm_engines(
         raise EngineSpecError(f"spare_engines must be an integer >= 0, got {spare_engines!r}")
     ensure_ray()
     backend = resolve_backend(backend)
+    if colocate_trainer:
+        check_colocation(
+            num_engines + spare_engines,
+            tensor_parallel_size,
+            gpu_memory_utilization,
+            shared_pg,
+            backend,
+        )
     engine_kwargs = spec.resolve_engine_kwargs(engine_kwargs, openrlhf, backend)
     if spare_engines and backend == "vllm":
         # A spare sleeps, so it needs sleep mode; every engine of the set gets
@@ -223,7 +240,14 @@ def create_vllm_engines(
             "the bundles but computes on the first",
             tensor_parallel_size,
         )
-    if shared_pg is not None:
+    if colocate_trainer:
+        placement = place_with_trainer(
+            num_engines=num_engines + spare_engines,
+            uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
+            name_prefix=name_prefix,
+            timeout_s=env.ready_timeout_s(),
+        )
+    elif shared_pg is not None:
         placement = use_shared_group(
             shared_pg,
             num_engines=num_engines + spare_engines,
@@ -240,6 +264,8 @@ def create_vllm_engines(
         )
 
     handles, configs = [], []
+    # On a shared GPU each engine's start waits for the one before (`wait_turn`).
+    turn: list[Any] | None = None
     try:
         for i in range(num_engines):
             config = EngineConfig(
@@ -255,8 +281,10 @@ def create_vllm_engines(
                 full_determinism=full_determinism,
                 engine_kwargs=engine_kwargs,
             )
-            handles.append(start_engine(backend, config, placement, namespace))
+            handles.append(start_engine(backend, config, placement, namespace, turn))
             configs.append(config)
+            if placement.one_at_a_time:
+                turn = [handles[-1].ready.remote()]
         engines = EngineSet(
             handles,
             configs=configs,
@@ -266,7 +294,9 @@ def create_vllm_engines(
             placement=placement,
         )
         for k in range(spare_engines):
-            start_spare(engines, placement.bundles[num_engines + k])
+            spare = start_spare(engines, placement.bundles[num_engines + k], turn)
+            if placement.one_at_a_time:
+                turn = [spare.asleep]
     except BaseException:
         for handle in handles:
             ray.kill(handle, no_restart=True)
@@ -292,10 +322,42 @@ def create_vllm_engines(
     return engines
 
 
+def check_colocation(
+    engines: int,
+    tensor_parallel_size: int,
+    gpu_memory_utilization: float | None,
+    shared_pg: Any,
+    backend: str,
+) -> None:
+    """`colocate_trainer`'s limits: one GPU holds every engine (spares
+    included), each with `gpu_memory_utilization` of it, and the trainer."""
+    if shared_pg is not None:
+        raise EngineSpecError("colocate_trainer places the engines itself: drop shared_pg")
+    if tensor_parallel_size != 1:
+        raise EngineSpecError(
+            f"colocate_trainer puts every engine on one GPU: tensor_parallel_size must be 1, "
+            f"got {tensor_parallel_size}"
+        )
+    if backend != "vllm":
+        return
+    fraction = gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+    if engines * fraction >= 1:
+        raise EngineSpecError(
+            f"colocate_trainer: {engines} engines (spares included) x gpu_memory_utilization="
+            f"{fraction:g} fill the one GPU they share with the trainer; lower "
+            "gpu_memory_utilization"
+        )
+
+
 def start_engine(
-    backend: str, config: EngineConfig, placement: EnginePlacement, namespace: str
+    backend: str,
+    config: EngineConfig,
+    placement: EnginePlacement,
+    namespace: str,
+    after: list[Any] | None = None,
 ) -> Any:
-    """Start an engine as a named actor on its bundles (`config.bundle_indices`)."""
+    """Start an engine as a named actor on its bundles (`config.bundle_indices`);
+    `after`: what its engine's start waits for (`base.wait_turn`)."""
     tp = config.tensor_parallel_size
     return (
         ray.remote(backend_class(backend))
@@ -307,15 +369,15 @@ def start_engine(
             runtime_env={"env_vars": actor_env(backend, placement, config)},
             **actor_resources(backend, placement, tp),
         )
-        .remote(config)
+        .remote(config, after=after)
     )
 
 
-def start_spare(engines: EngineSet, bundles: list[int]) -> Spare:
+def start_spare(engines: EngineSet, bundles: list[int], after: list[Any] | None = None) -> Spare:
     """Start a spare on `bundles` (named past the engines) and ask it to sleep
     once up; it joins `engines.spares`. Sleep level 1 moves a vLLM spare's
     weights to host memory and drops its KV cache (the set is created in
-    sleep mode when it has spares)."""
+    sleep mode when it has spares). `after`: as `start_engine`'s."""
     template = engines.template
     if template is None:
         raise EngineSpecError("a spare needs an engine set with at least one engine")
@@ -327,7 +389,7 @@ def start_spare(engines: EngineSet, bundles: list[int]) -> Spare:
             "bundle_indices": list(bundles),
         }
     )
-    handle = start_engine(engines.backend, config, engines.placement, engines.namespace)
+    handle = start_engine(engines.backend, config, engines.placement, engines.namespace, after)
     engines.next_index += 1
     # Runs once __init__ is done, i.e. once the spare is up.
     spare = Spare(handle, config, handle.sleep.remote(1), time.monotonic())
@@ -348,6 +410,9 @@ def swap_in_spare(engines: EngineSet, index: int, timeout_s: float) -> Spare | N
         spare = engines.spares.pop(0)
         try:
             get(spare.asleep, timeout_s, spare.config.name)
+            if engines.placement.one_at_a_time:
+                # A GPU shared with the dead engine, whose memory may not be freed yet.
+                get(spare.handle.wait_gpu_room.remote(timeout_s), timeout_s, spare.config.name)
             get(spare.handle.wake_up.remote(), timeout_s, spare.config.name)
         except Exception as exc:  # noqa: BLE001 - any failure: drop it, try the next
             logger.warning("spare %s cannot take over: %s", spare.config.name, exc)
@@ -419,7 +484,7 @@ def replace_engine(engines: EngineSet, index: int, timeout_s: float = 30.0) -> A
 
 
 def actor_resources(backend: str, placement: EnginePlacement, tp: int) -> dict[str, float]:
-    share = 1.0 if placement.owns_group else COLOCATED_SHARE
+    share = placement.share
     gpus = share if placement.uses_gpu else 0.0
     # vLLM's Ray executor starts one GPU worker per TP rank; the engine actor
     # itself then holds no GPU.
@@ -429,7 +494,7 @@ def actor_resources(backend: str, placement: EnginePlacement, tp: int) -> dict[s
 
 
 def actor_env(backend: str, placement: EnginePlacement, config: EngineConfig) -> dict[str, str]:
-    fraction = None if placement.owns_group else COLOCATED_SHARE
+    fraction = None if placement.share == 1.0 else placement.share
     variables = env.actor_env_vars(
         backend,
         config.bundle_indices,

@@ -177,7 +177,7 @@ def values_default(name: str) -> Any:
 def local_ray_cpus(params: RolloutParams) -> int:
     """Logical CPUs of a local Ray: what provision_cluster would pick."""
     needed = (params.num_engines + params.spare_engines) * params.tensor_parallel_size + int(
-        bool(params.reward) and params.train
+        params.on_policy
     )
     return params.local_num_cpus or max(os.cpu_count() or 1, needed)
 
@@ -234,7 +234,7 @@ def start_engines_early(params: RolloutParams, model: str) -> None:
     try:
         backend = resolve_backend(params.backend)
         check_cluster_fits(
-            params.num_engines + params.spare_engines,
+            1 if params.colocate else params.num_engines + params.spare_engines,
             params.tensor_parallel_size,
             uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
         )

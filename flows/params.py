@@ -130,6 +130,21 @@ class RolloutParams(BaseModel):
         "scored (an evaluation run; no policy is started).",
     )
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="The policy's step size.")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=1,
+        le=10_000_000,
+        description="Padded tokens per forward and backward of a policy step (verl's "
+        "ppo_max_token_len_per_gpu); the step's gradient is accumulated over micro-batches, "
+        "so its memory does not grow with n or the batch.",
+    )
+    colocate: bool = Field(
+        False,
+        description="On-policy runs: the policy shares one GPU with the engines and their "
+        "spares (each takes gpu_memory_utilization of it; tensor_parallel_size 1), its "
+        "weights synced through CUDA IPC, as verl's hybrid engine: on-policy RL on a single "
+        "GPU. Off: the policy takes a GPU of its own and syncs over NCCL.",
+    )
     schedule: Schedule = Field(
         "sync",
         description="How generation, training and weight sync interleave. 'sync': one after "
@@ -240,7 +255,22 @@ class RolloutParams(BaseModel):
             raise ValueError(
                 f"schedule {self.schedule!r} needs max_staleness >= 1, got {self.max_staleness}"
             )
+        if self.colocate and not self.on_policy:
+            raise ValueError(
+                "colocate puts the policy beside the engines: it needs an on-policy run "
+                "(a reward, and train on)"
+            )
+        if self.colocate and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"colocate puts every engine on one GPU: tensor_parallel_size must be 1, got "
+                f"{self.tensor_parallel_size}"
+            )
         return self
+
+    @property
+    def on_policy(self) -> bool:
+        """A policy trains on the rollouts (and its weights go to the engines)."""
+        return bool(self.reward) and self.train
 
     @property
     def staleness_bound(self) -> int:

@@ -115,7 +115,16 @@ def engine_request(params: RolloutParams, model: str, backend: str) -> EngineReq
         seed=params.seed,
         engine_kwargs=params.engine_kwargs,
         spare_engines=params.spare_engines,
+        colocate_trainer=params.colocate,
     )
+
+
+def policy_placement(params: RolloutParams, pool: EnginePool, backend: str) -> dict[str, Any]:
+    """The policy's Ray options: beside the engines on their GPU (colocate),
+    else a GPU of its own on a GPU cluster."""
+    if params.colocate:
+        return pool.engines.placement.trainer_options()
+    return {"num_gpus": 1 if backend == "vllm" else 0}
 
 
 @flow(
@@ -142,7 +151,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     run_dir = prepare_run_dir(
         Path(params.output_dir) / scope.run_id, manifest(params, prompts, model)
     )
-    on_policy = bool(params.reward) and params.train
+    on_policy = params.on_policy
     if on_policy and (aside := set_aside_iterations(run_dir, scope.attempt)):
         logger.warning("on-policy run restarts its iterations; earlier rollouts moved to %s", aside)
     cluster = provision_cluster(
@@ -153,6 +162,7 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
         num_engines=params.num_engines + params.spare_engines,
         tensor_parallel_size=params.tensor_parallel_size,
         with_policy=on_policy,
+        colocate=params.colocate,
         runtime_env=params.runtime_env,
     )
     pool: EnginePool | None = None
@@ -164,18 +174,24 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
     try:
         metrics_logger = open_logger(params.logger, run_dir, scope.run_id, params.model_dump())
         pool = create_engines(scope=scope, request=engine_request(params, model, cluster.backend))
-        # The policy and the reward actor start while the engines start
-        # (after them: the engines' placement group is reserved first), and
-        # iteration 0's generation does not wait for the policy.
-        policy_up = None
-        if on_policy:
-            policy = create_policy_actor(
+
+        def start_policy():
+            actor = create_policy_actor(
                 policy_config(params, model, cluster.backend),
                 name=scope.policy_name,
                 namespace=scope.namespace,
-                num_gpus=1 if cluster.backend == "vllm" else 0,
+                **policy_placement(params, pool, cluster.backend),
             )
-            policy_up = wait_for_policy.submit(policy, ready_timeout_s=params.ready_timeout_s)
+            return actor, wait_for_policy.submit(actor, ready_timeout_s=params.ready_timeout_s)
+
+        # The policy and the reward actor start while the engines start
+        # (after them: the engines' placement group is reserved first), and
+        # iteration 0's generation does not wait for the policy. A policy on
+        # the engines' GPU starts once they are up: its memory would change
+        # under their KV cache sizing (engines.base.wait_turn).
+        policy_up = None
+        if on_policy and not params.colocate:
+            policy, policy_up = start_policy()
         if params.reward:
             scorer = start_reward_scorer(
                 reward_path(params.reward),
@@ -184,6 +200,8 @@ def rollout(params: RolloutParams = RolloutParams()) -> RunSummary:  # noqa: B00
                 namespace=scope.namespace,
             )
         wait_until_ready.with_options(retries=params.engine_retries)(pool, params.ready_timeout_s)
+        if on_policy and params.colocate:
+            policy, policy_up = start_policy()
         ledger = Ledger(training, metrics, metrics_logger)
         looped = time.monotonic()
         with RunProgress() as progress:
@@ -382,13 +400,16 @@ def prompt_fields(params: RolloutParams) -> PromptFields:
 
 def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConfig:
     """The reference policy for an on-policy run. The transport follows
-    placement: NCCL from the policy's own GPU to vLLM engines, gloo on CPU."""
+    placement: NCCL from the policy's own GPU to vLLM engines, CUDA IPC on
+    the GPU it shares with them (colocate), gloo on CPU."""
     on_gpu = backend == "vllm"
     return PolicyConfig(
         pretrain=model,
         learning_rate=params.learning_rate,
+        micro_batch_tokens=params.micro_batch_tokens,
         seed=params.seed,
         device="cuda" if on_gpu else "cpu",
+        transport="cuda_ipc" if on_gpu and params.colocate else "broadcast",
         sync_backend="nccl" if on_gpu else "gloo",
         max_staleness=params.staleness_bound,
     )

@@ -120,10 +120,12 @@ def provision_cluster(
     num_engines: int,
     tensor_parallel_size: int,
     with_policy: bool = False,
+    colocate: bool = False,
     runtime_env: dict[str, Any] | None = None,
 ) -> Cluster:
     """Start or connect to Ray; check that the engines (and the policy of an
-    on-policy run: one more GPU, or CPU) fit before anything is created."""
+    on-policy run: one more GPU, or CPU; `colocate`: one GPU holds them all)
+    fit before anything is created."""
     logger = get_run_logger()
     needed = num_engines * tensor_parallel_size + int(with_policy)
     started = connect(
@@ -135,9 +137,11 @@ def provision_cluster(
     try:
         chosen = resolve_backend(backend)
         check_cluster_fits(
-            num_engines, tensor_parallel_size, uses_gpu=ray.cluster_resources().get("GPU", 0) > 0
+            1 if colocate else num_engines,
+            tensor_parallel_size,
+            uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
         )
-        if with_policy:
+        if with_policy and not colocate:
             resource = "GPU" if chosen == "vllm" else "CPU"
             have = ray.cluster_resources().get(resource, 0)
             if have < needed:

@@ -64,6 +64,7 @@ class EngineRequest:
     seed: int
     engine_kwargs: dict[str, Any] | None = None
     spare_engines: int = 0
+    colocate_trainer: bool = False
 
     def start(self, name_prefix: str | None = None, namespace: str | None = None) -> EngineSet:
         return create_vllm_engines(
@@ -77,6 +78,7 @@ class EngineRequest:
             name_prefix=name_prefix,
             namespace=namespace,
             spare_engines=self.spare_engines,
+            colocate_trainer=self.colocate_trainer,
             **(self.engine_kwargs or {}),
         )
 

@@ -24,6 +24,13 @@ class PolicyConfig(BaseModel):
         ge=1.0,
         description="Cap of the truncated importance weight pi_policy / pi_behaviour per token.",
     )
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Padded tokens per forward and backward of a train step (verl's "
+        "ppo_max_token_len_per_gpu): the step's gradient is accumulated over micro-batches "
+        "of at most this many, so its activations fit whatever the batch.",
+    )
     torch_threads: int = Field(1, ge=1)
     device: str = "cpu"
     sync_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

@@ -39,6 +39,22 @@ def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> l
     return [picked[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
 
 
+def micro_batches(sequences: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of `sequences` in consecutive groups whose padded size (count x
+    longest) stays within `max_tokens`; a longer sequence goes alone."""
+    batches: list[list[int]] = []
+    longest = 0
+    for i, sequence in enumerate(sequences):
+        width = max(longest, len(sequence))
+        if batches and width * (len(batches[-1]) + 1) <= max_tokens:
+            batches[-1].append(i)
+            longest = width
+        else:
+            batches.append([i])
+            longest = len(sequence)
+    return batches
+
+
 def clipped_loss(new: Any, old: Any, advantage: float, clip_eps: float, weight: Any = None) -> Any:
     """PPO's clipped surrogate for one sample, averaged over its tokens,
     each token's term times `weight` (none: 1). With `old == new.detach()`

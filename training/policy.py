@@ -15,6 +15,7 @@ from training.grpo import (
     clipped_loss,
     group_advantages,
     k3_kl,
+    micro_batches,
     token_logprobs,
     truncated_is_weights,
 )
@@ -136,26 +137,32 @@ class ReferencePolicy(Trainer):
         loss_value, grad_norm = 0.0, 0.0
         off_policy = OffPolicyStats()
         if trained:
-            sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
-            per_seq = token_logprobs(self.model, sequences, self.pad_id)
-            losses = []
-            for (sample, advantage), logprobs in zip(trained, per_seq, strict=True):
-                new = logprobs[len(sample.prompt_token_ids) - 1 :]
-                proximal = new.detach()
-                weight = None
-                if sample.logprobs is not None:
-                    behaviour = torch.tensor(sample.logprobs, device=new.device)
-                    weight = truncated_is_weights(proximal, behaviour, self.config.tis_cap)
-                    off_policy.add(proximal, behaviour, weight, self.config.tis_cap)
-                losses.append(clipped_loss(new, proximal, advantage, self.config.clip_eps, weight))
-            loss = torch.stack(losses).mean()
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
+            # The loss is the mean over every trained sample, its gradient
+            # accumulated over micro-batches: activations for one at a time.
+            for batch in micro_batches(sequences, self.config.micro_batch_tokens):
+                per_seq = token_logprobs(self.model, [sequences[i] for i in batch], self.pad_id)
+                losses = []
+                for i, logprobs in zip(batch, per_seq, strict=True):
+                    sample, advantage = trained[i]
+                    new = logprobs[len(sample.prompt_token_ids) - 1 :]
+                    proximal = new.detach()
+                    weight = None
+                    if sample.logprobs is not None:
+                        behaviour = torch.tensor(sample.logprobs, device=new.device)
+                        weight = truncated_is_weights(proximal, behaviour, self.config.tis_cap)
+                        off_policy.add(proximal, behaviour, weight, self.config.tis_cap)
+                    losses.append(
+                        clipped_loss(new, proximal, advantage, self.config.clip_eps, weight)
+                    )
+                loss = torch.stack(losses).sum() / len(trained)
+                loss.backward()
+                loss_value += float(loss.detach())
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             )
             self.optimizer.step()
-            loss_value = float(loss.detach())
         # Every step makes a new version, even one without signal: what the
         # engines serve is then unambiguous.
         self.weight_version += 1
@@ -222,9 +229,12 @@ def create_policy_actor(
     namespace: str | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    scheduling_strategy: Any = None,
 ):
     """Start `ReferencePolicy` as a Ray actor (loads the model in the background;
-    `ray.get(actor.health.remote())` waits for it)."""
+    `ray.get(actor.health.remote())` waits for it). `scheduling_strategy`:
+    e.g. a bundle of the engines' placement group, to share their GPU
+    (`EnginePlacement.trainer_options`)."""
     import ray
 
     config = PolicyConfig.model_validate(config)
@@ -235,6 +245,8 @@ def create_policy_actor(
         max_restarts=0,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}},
     )
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
     if name is not None:
         options.update(name=name, namespace=namespace)
     return ray.remote(ReferencePolicy).options(**options).remote(config.model_dump())

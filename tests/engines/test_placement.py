@@ -95,3 +95,73 @@ def test_shared_pg_is_honoured_and_kept(fake_gpu_cluster, tiny_model):
     assert ray.util.placement_group_table(pg)["state"] == "CREATED"
     ray.kill(trainer)
     remove_placement_group(pg)
+
+
+def turn_ended(report) -> float | None:
+    """When an engine's wait for its turn on a shared GPU ended (None: it had none)."""
+    at = report.imports_started
+    for phase in report.phases:
+        at += phase.seconds
+        if phase.name.startswith("its turn"):
+            return at
+    return None
+
+
+def test_colocated_engines_and_their_trainer_share_one_gpu(fake_gpu_cluster, tiny_model):
+    """colocate_trainer: one bundle of one GPU holds the engines, the spare
+    and the trainer, a quarter each; the group goes with the engines."""
+    engines = create_vllm_engines(
+        2, tiny_model, 256, 0.3, spare_engines=1, colocate_trainer=True, name_prefix="test-coloc"
+    )
+    pg = engines.placement.placement_group
+    try:
+        assert ray.util.placement_group_table(pg)["bundles"] == {0: {"GPU": 1.0, "CPU": 1.0}}
+        assert engines.placement.bundles == [[0], [0], [0]]
+
+        @ray.remote
+        class Trainer:
+            def where(self):
+                context = ray.get_runtime_context()
+                return context.get_node_id(), context.get_assigned_resources()
+
+        options = engines.placement.trainer_options()
+        trainer = Trainer.options(**options).remote()
+        node, resources = ray.get(trainer.where.remote(), timeout=60)
+        assert resources == {"GPU": 0.25, "CPU": 0.25}
+        healths = ray.get([e.health.remote() for e in engines], timeout=120)
+        spare = engines.spares[0].handle
+        healths.append(ray.get(spare.health.remote(), timeout=120))
+        assert {h["node_id"] for h in healths} == {node}
+        assert [h["bundle_indices"] for h in healths] == [[0], [0], [0]]
+        # One GPU: each loads its model once the one before it is up.
+        reports = ray.get([h.startup_report.remote() for h in [*engines, spare]], timeout=60)
+        assert turn_ended(reports[0]) is None
+        assert turn_ended(reports[1]) >= reports[0].ready_at - 0.01
+        assert turn_ended(reports[2]) >= reports[1].ready_at - 0.01
+    finally:
+        destroy_engines(engines)
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+    # The trainer was in the group: it went with it.
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(trainer.where.remote(), timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("engines", "tp", "fraction", "shared", "backend", "message"),
+    [
+        (1, 2, 0.3, None, "vllm", "tensor_parallel_size must be 1, got 2"),
+        (2, 1, 0.5, None, "vllm", r"2 engines \(spares included\) x gpu_memory_utilization=0.5"),
+        (1, 1, None, None, "vllm", None),  # vLLM's 0.9 leaves a tenth for the trainer
+        (2, 1, None, None, "vllm", "gpu_memory_utilization=0.9 fill the one GPU"),
+        (4, 1, 0.5, None, "hf", None),  # no GPU memory on CPU
+        (1, 1, 0.3, "a group", "vllm", "drop shared_pg"),
+    ],
+)
+def test_colocation_limits(engines, tp, fraction, shared, backend, message):
+    from engines.vllm_engine import check_colocation
+
+    if message is None:
+        check_colocation(engines, tp, fraction, shared, backend)
+        return
+    with pytest.raises(EngineSpecError, match=message):
+        check_colocation(engines, tp, fraction, shared, backend)

@@ -63,3 +63,45 @@ def test_an_answer_and_vllms_own_dead_error_pass_through(engine):
             await engine._core(dead(), 5)
 
     asyncio.run(main())
+
+
+def gpu_readings(engine, monkeypatch, used: list[int], total: int = 100) -> list[int]:
+    """The engine's GPU memory as `worker_memory` reports it: the next of
+    `used` per call (the last one from then on); returns the readings taken."""
+    taken: list[int] = []
+
+    async def rpc(method, *args, **kwargs):
+        taken.append(used[min(len(taken), len(used) - 1)])
+        return [{"gpu_uuid": "GPU-a", "used_bytes": taken[-1], "total_bytes": total}]
+
+    async def sleep(level, mode):
+        pass
+
+    monkeypatch.setattr(engine, "_rpc", rpc)
+    monkeypatch.setattr(vllm_backend, "ROOM_POLL_S", 0.0)
+    engine.sleep_mode = True
+    engine.engine.sleep = sleep
+    return taken
+
+
+def test_a_spare_wakes_once_its_gpu_has_the_room_its_sleep_freed(engine, monkeypatch):
+    # Asleep it frees 40 (60 -> 20); then an engine beside it dies and its
+    # memory goes in steps: free 30, 35, then 60 >= 40.
+    taken = gpu_readings(engine, monkeypatch, [60, 20, 70, 65, 40, 10])
+
+    async def main():
+        await engine.sleep(1)
+        await engine.wait_gpu_room(timeout_s=5)
+
+    asyncio.run(main())
+    assert taken == [60, 20, 70, 65, 40]  # it looked until the room was there, and no longer
+
+
+def test_waiting_for_room_ends_at_its_deadline(engine, monkeypatch):
+    gpu_readings(engine, monkeypatch, [60, 20, 95])
+
+    async def main():
+        await engine.sleep(1)
+        return await engine.wait_gpu_room(timeout_s=0.2)
+
+    assert 0.2 <= asyncio.run(main()) < 2

@@ -1,10 +1,11 @@
 """A warm spare on GPUs (issue 16): an on-policy run with `spare_engines=1`
-(the engine on one GPU, its spare asleep on another, the policy on a third,
-NCCL sync after every step); the engine is killed during iteration 1, the
-spare is woken and synced to the policy's current weights before it serves,
-and the run completes exactly once. Needs three GPUs. On two, a rollout job (no
-policy) checks the spare's life cycle on real vLLM. On one, a rollout job
-without a spare whose engine core is killed: the engine restarts in its actor."""
+whose engine is killed during iteration 1; the spare is woken and synced to
+the policy's current weights before it serves, and the run completes exactly
+once. On one GPU the engine, its sleeping spare and the policy share it
+(`colocate`, CUDA IPC sync); on three each has its own (NCCL sync). On two, a
+rollout job (no policy) checks the spare's life cycle on real vLLM. On one, a
+rollout job without a spare whose engine core is killed: the engine restarts
+in its actor."""
 
 from __future__ import annotations
 
@@ -116,10 +117,11 @@ def engine_row(state, name: str, replaced_by: str, within_s: float) -> dict:
     return row
 
 
+@pytest.mark.parametrize("colocate", [True, False], ids=["one-gpu-colocated", "three-gpus"])
 def test_killed_engine_is_replaced_by_the_synced_spare(
-    ray_gpu, gpu_model, gpu_count, gpu_baseline, prefect_harness, tmp_path
+    ray_gpu, gpu_model, gpu_count, gpu_baseline, prefect_harness, tmp_path, colocate
 ):
-    if gpu_count < 3:
+    if not colocate and gpu_count < 3:
         pytest.skip("engine, spare and policy take a GPU each: needs three GPUs")
     began = time.monotonic()
     state, killed = run_killing_engine_0(
@@ -130,6 +132,7 @@ def test_killed_engine_is_replaced_by_the_synced_spare(
         reward="training.rewards:target_chars_fraction",
         learning_rate=0.001,
         iterations=2,
+        colocate=colocate,
     )
     run_dir = Path(state.result().output_dir)
     spare = killed.rsplit("-", 1)[0] + "-1"
@@ -144,7 +147,8 @@ def test_killed_engine_is_replaced_by_the_synced_spare(
     row = engine_row(state, spare, "spare", 30)
     print(
         f"\nspare {spare} served {len(by_spare)} rows of iteration 1; replacement "
-        f"{row['replacement_s']}s (woken + synced); run {time.monotonic() - began:.0f}s"
+        f"{row['replacement_s']}s (woken + synced, {'CUDA IPC' if colocate else 'NCCL'}); "
+        f"run {time.monotonic() - began:.0f}s"
     )
     wait_gpus_released(gpu_baseline)
 

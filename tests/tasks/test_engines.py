@@ -55,6 +55,7 @@ def test_the_request_starts_what_it_names(created):
         name_prefix="rf-run-a1",
         namespace="rolloutflow-run",
         spare_engines=0,
+        colocate_trainer=False,
         dtype="float32",
     )
 
@@ -68,7 +69,14 @@ def test_the_flow_takes_the_engines_started_early_for_its_request(created, destr
 
 
 @pytest.mark.parametrize(
-    "change", [{"seed": 43}, {"num_engines": 1}, {"engine_kwargs": None}, {"spare_engines": 1}]
+    "change",
+    [
+        {"seed": 43},
+        {"num_engines": 1},
+        {"engine_kwargs": None},
+        {"spare_engines": 1},
+        {"colocate_trainer": True},
+    ],
 )
 def test_early_engines_for_another_request_are_destroyed(created, destroyed, change):
     engines = start_early(REQUEST)

@@ -45,6 +45,16 @@ def test_max_tokens_must_leave_room_for_the_prompt():
         RolloutParams(max_len=64, max_tokens=64)
 
 
+def test_colocate_needs_a_policy_and_one_gpu_per_engine():
+    RolloutParams(colocate=True, reward="training.letter_task:reward")
+    with pytest.raises(ValidationError, match="colocate puts the policy beside the engines"):
+        RolloutParams(colocate=True)
+    with pytest.raises(ValidationError, match="it needs an on-policy run"):
+        RolloutParams(colocate=True, reward="training.letter_task:reward", train=False)
+    with pytest.raises(ValidationError, match="tensor_parallel_size must be 1, got 2"):
+        RolloutParams(colocate=True, reward="training.letter_task:reward", tensor_parallel_size=2)
+
+
 def test_schedule_and_its_staleness_bound():
     assert (RolloutParams().schedule, RolloutParams().staleness_bound) == ("sync", 0)
     assert RolloutParams(schedule="overlap").staleness_bound == 1

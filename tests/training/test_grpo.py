@@ -12,6 +12,7 @@ from training.grpo import (
     clipped_loss,
     group_advantages,
     k3_kl,
+    micro_batches,
     token_logprobs,
     truncated_is_weights,
 )
@@ -84,3 +85,11 @@ def test_the_is_weight_scales_each_tokens_gradient():
     plain = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     clipped_loss(plain, plain.detach(), 1.0, clip_eps=0.2).backward()
     torch.testing.assert_close(plain.grad, torch.full((3,), -1 / 3))
+
+
+def test_micro_batches_keep_order_and_their_padded_size():
+    sequences = [[1] * n for n in (3, 3, 5, 2, 9, 1)]
+    # 3+3 -> 2x3=6; adding 5 would be 3x5=15 > 10; 5,2 -> 2x5=10; 9 alone; 1 joins 9? 2x9 > 10
+    assert micro_batches(sequences, 10) == [[0, 1], [2, 3], [4], [5]]
+    assert micro_batches(sequences, 1) == [[i] for i in range(6)]  # a longer one goes alone
+    assert micro_batches(sequences, 10_000) == [list(range(6))]
