@@ -188,7 +188,7 @@ def start_ray(params: RolloutParams) -> bool:
     the flow then uses this connection (on a cluster, with the job's
     runtime_env that ships the run's code). True: a local Ray started here."""
     lifetime.quiet_ray_signal_handlers()
-    from tasks.cluster import connect
+    from tasks.connection import connect
 
     started = connect(params.address, local_ray_cpus(params), "rolloutflow-cli", params.runtime_env)
     if started:

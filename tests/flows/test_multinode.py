@@ -134,7 +134,7 @@ def test_worker_node_lost_mid_generation(driver, tiny_model, tmp_path):
 
     # Connected first, so the killer can look at the actors; the run keeps
     # this connection (and ships no code: the test does it here).
-    from tasks.cluster import code_runtime_env
+    from tasks.connection import code_runtime_env
 
     ray.init(address=driver.address, runtime_env=code_runtime_env())
     killer = threading.Thread(target=kill_engines_node, daemon=True)
@@ -159,7 +159,7 @@ def test_policy_node_lost_fails_the_run_and_sweeps_it(driver, tiny_model, tmp_pa
     CPUs hold the engines, a one-CPU "trainer" node is the only room left for
     the policy. That node dies mid-generation: the run fails with an error
     naming the policy, and nothing of the run is left on the cluster."""
-    from tasks.cluster import code_runtime_env
+    from tasks.connection import code_runtime_env
 
     ray.init(address=driver.address, runtime_env=code_runtime_env())
     # One engine worker (the node-loss test above leaves one; alone, this ends one).

@@ -1,11 +1,12 @@
 """An on-policy run with a warm spare (`spare_engines=1`): an engine killed
 during iteration 1 is replaced by the spare, which is woken and synced to the
 policy's current weights before it serves; the run completes exactly once.
-Colocated too: the engines, the spare and the policy share one bundle."""
+Colocated (`colocate`): the engines, the spare and the policy share one
+bundle, the policy started once the engines and the spare are up. Spares on
+bundles of their own: tests/engines/test_spares.py, and the GPU suite."""
 
 from __future__ import annotations
 
-import pytest
 import ray
 from rollout_support import kill_during_iteration, nothing_left, rows_by_prompt
 from test_on_policy_flow import engine_rows, killable_run
@@ -14,11 +15,10 @@ from flows.rollout import rollout
 from tasks.shards import read_rows
 
 
-@pytest.mark.parametrize("colocate", [False, True], ids=["own-bundles", "colocated"])
-def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tmp_path, colocate):
+def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tmp_path):
     killed: list[str] = []
     killer = kill_during_iteration(tmp_path, 1, 1, killed)
-    params = killable_run(tiny_model, tmp_path, spare_engines=1, colocate=colocate)
+    params = killable_run(tiny_model, tmp_path, spare_engines=1, colocate=True)
     state = rollout(params, return_state=True)
     killer.join(timeout=5)
     assert state.is_completed(), state.message
@@ -41,11 +41,9 @@ def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tm
     assert killed[0] not in table  # its slot now shows the spare
     assert table[spare]["replaced_by"] == "spare" and table[spare]["restarts"] == 1
     assert 0 < table[spare]["replacement_s"] < 60
-    if colocate:  # one bundle held the engines, the spare and the policy
-        (group,) = [
-            info
-            for info in ray.util.placement_group_table().values()
-            if summary.run_id in info["name"]
-        ]
-        assert group["bundles"] == {0: {"CPU": 1.0}}
+    # One bundle held the engines, the spares and the policy.
+    (group,) = [
+        info for info in ray.util.placement_group_table().values() if summary.run_id in info["name"]
+    ]
+    assert group["bundles"] == {0: {"CPU": 1.0}}
     nothing_left(summary.run_id)  # engines, the spares (old and new), group, policy
