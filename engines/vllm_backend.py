@@ -171,6 +171,8 @@ class VLLMEngine(RolloutEngine):
         super().__init__(config)
         kwargs = dict(config.engine_kwargs)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
+        # Bytes the last sleep freed, per GPU UUID: what waking takes back.
+        self._slept_bytes: dict[str, int] = {}
         # One GPU: the worker lives in the engine-core process ("uni"). More:
         # vLLM's Ray executor places one worker actor per bundle (the bundles
         # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).
@@ -362,7 +364,6 @@ class VLLMEngine(RolloutEngine):
         before = await self._rpc(worker_memory)
         await self._core(self.engine.sleep(level, mode="wait"))
         self._asleep = set(SLEEP_TAGS)
-        # What waking takes back, per GPU (`wait_gpu_room`).
         after = {gpu["gpu_uuid"]: gpu["used_bytes"] for gpu in await self._rpc(worker_memory)}
         self._slept_bytes = {
             gpu["gpu_uuid"]: max(0, gpu["used_bytes"] - after.get(gpu["gpu_uuid"], 0))
@@ -376,7 +377,7 @@ class VLLMEngine(RolloutEngine):
         its death, and waking into it fails with CUDA's out of memory. Returns
         the seconds waited; past `timeout_s` it returns anyway."""
         began = time.monotonic()
-        needed = getattr(self, "_slept_bytes", {})
+        needed = self._slept_bytes
         while needed and time.monotonic() - began < timeout_s:
             gpus = await self._rpc(worker_memory)
             if all(

@@ -80,6 +80,7 @@ def gpu_readings(engine, monkeypatch, used: list[int], total: int = 100) -> list
     monkeypatch.setattr(engine, "_rpc", rpc)
     monkeypatch.setattr(vllm_backend, "ROOM_POLL_S", 0.0)
     engine.sleep_mode = True
+    engine._slept_bytes = {}
     engine.engine.sleep = sleep
     return taken
 
