@@ -47,7 +47,7 @@ def wake_tags(tags: list[str] | None) -> set[str]:
     return chosen
 
 
-def wait_turn(after: list[Any] | None, timeout_s: float, name: str) -> None:
+def wait_turn(after: list[Any], timeout_s: float, name: str, clock: StartupClock) -> None:
     """Engines that share a GPU start one at a time: vLLM sizes its KV cache
     from the GPU's free memory before and after a profiling pass, so one
     engine's allocations (or a spare's sleep) during another's profiling
@@ -60,6 +60,7 @@ def wait_turn(after: list[Any] | None, timeout_s: float, name: str) -> None:
     done, _ = ray.wait(list(after), timeout=timeout_s)
     if not done:
         logger.warning("engine %s starts after %gs without its turn on the GPU", name, timeout_s)
+    clock.mark("its turn on a shared GPU: the engine before it up")
 
 
 def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows: int) -> None:

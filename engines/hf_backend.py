@@ -138,8 +138,7 @@ class HFEngine(RolloutEngine):
             logger.info("backend 'hf' ignores vLLM engine arguments %s", sorted(kwargs))
 
         if after:
-            wait_turn(after, env.ready_timeout_s(), config.name)
-            clock.mark("its turn on a shared device: the engine before it up")
+            wait_turn(after, env.ready_timeout_s(), config.name, clock)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(
             config.pretrain, trust_remote_code=trust_remote_code

@@ -43,8 +43,16 @@ class EnginePlacement:
     #: Every engine and spare sits on bundle 0 beside their trainer, which
     #: takes a share of its own (`trainer_options`).
     with_trainer: bool = False
-    #: Engines may share a GPU: they start one at a time (`base.wait_turn`).
-    one_at_a_time: bool = False
+
+    @property
+    def one_at_a_time(self) -> bool:
+        """Engines may share a GPU, so they start one at a time
+        (`base.wait_turn`): placed with their trainer, or on bundles holding
+        a fraction of a GPU (Ray may put several on one GPU)."""
+        return self.uses_gpu and (
+            self.with_trainer
+            or any(spec.get("GPU", 0) < 1 for spec in self.placement_group.bundle_specs)
+        )
 
     def trainer_options(self) -> dict:
         """Ray actor options that put the set's trainer on its GPU, beside
@@ -175,7 +183,6 @@ def place_with_trainer(
         owns_group=True,
         share=1.0 / (num_engines + 1),
         with_trainer=True,
-        one_at_a_time=uses_gpu,
     )
 
 
@@ -193,15 +200,7 @@ def use_shared_group(
     wait_ready(pg, timeout_s, "the shared placement group")
     bundles = assign_bundles(bundles_by_node(pg), num_engines, tensor_parallel_size)
     uses_gpu = all(spec.get("GPU", 0) > 0 for spec in specs)
-    return EnginePlacement(
-        pg,
-        bundles,
-        uses_gpu,
-        owns_group=False,
-        share=COLOCATED_SHARE,
-        # Bundles with a fraction of a GPU: Ray may put several on one GPU.
-        one_at_a_time=uses_gpu and any(spec.get("GPU", 0) < 1 for spec in specs),
-    )
+    return EnginePlacement(pg, bundles, uses_gpu, owns_group=False, share=COLOCATED_SHARE)
 
 
 def remove_named_groups(name_prefix: str) -> int:

@@ -201,8 +201,7 @@ class VLLMEngine(RolloutEngine):
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         clock.mark("engine arguments")
         if after:
-            wait_turn(after, env.ready_timeout_s(), config.name)
-            clock.mark("its turn on a shared GPU: the engine before it up")
+            wait_turn(after, env.ready_timeout_s(), config.name, clock)
         self.engine = api.AsyncLLM.from_engine_args(args, usage_context=api.UsageContext.LLM_CLASS)
         clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
         # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
