@@ -42,9 +42,7 @@ def oversized(path: Path, root: Path = ROOT) -> list[str]:
                 found.append(f"{where}: class {node.name} has {len(fields)} fields")
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             limit = (
-                CREATE_VLLM_ENGINES_LINES
-                if node.name == "create_vllm_engines"
-                else FUNCTION_LINES
+                CREATE_VLLM_ENGINES_LINES if node.name == "create_vllm_engines" else FUNCTION_LINES
             )
             if span(node) > limit:
                 found.append(f"{where}: {node.name}() {span(node)} lines (at most {limit})")
