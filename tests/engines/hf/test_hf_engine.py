@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, RequestError
-from engines.hf_backend import HFEngine
+from engines.hf import HFEngine
 from engines.sampling import SamplingParams
 
 PROMPT = [42, 71, 78, 78, 81, 14]
@@ -245,17 +245,17 @@ def test_pause_keep_freezes_a_request_across_a_sync_and_resumes_it(tiny_model, t
 
     async def scenario():
         # The previous call's batch may still be closing (its answer is sent
-        # before the thread clears `_running`): wait until it has, so that
-        # `_running` below is this request's batch.
+        # before the thread clears `running`): wait until it has, so that
+        # `running` below is this request's batch.
         deadline = time.monotonic() + 30
-        while engine._running:
+        while engine._loop.running:
             assert time.monotonic() < deadline, "the previous batch never closed"
             await asyncio.sleep(0.01)
         # Hold the model: the generation thread stops at its first forward
         # pass, so the pause surely finds the request in flight.
         engine._model_lock.acquire()
         request = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(**greedy)))
-        while not engine._running:  # the thread took it into a batch
+        while not engine._loop.running:  # the thread took it into a batch
             await asyncio.sleep(0.01)
         pausing = asyncio.ensure_future(engine.pause_generation())
         engine._model_lock.release()
@@ -298,22 +298,6 @@ def test_stop_strings_cut_the_text_as_vllm_does(engine):
         )
     ).outputs[0]
     assert kept.text == free.text[: start + len(stop)]
-
-
-def test_penalties_min_p_and_max_tokens_none():
-    from engines.hf_sampling import processed_logits
-
-    logits = torch.tensor([2.0, -1.0, 0.5, 0.0])
-    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    out = processed_logits(logits, params, banned=[], prompt=[0], output=[1, 1])
-    # token 0 (prompt): 2/2; token 1 (output twice): -1*2 - 0.5*2 - 0.25
-    torch.testing.assert_close(out, torch.tensor([1.0, -3.25, 0.5, 0.0]))
-    only_top = processed_logits(logits, SamplingParams(min_p=0.5), banned=[], prompt=[], output=[])
-    assert torch.isfinite(only_top).tolist() == [True, False, False, False]
-    greedy = processed_logits(
-        logits, SamplingParams(temperature=0.0, min_p=0.5), banned=[2], prompt=[], output=[]
-    )
-    assert greedy.tolist()[:2] == [2.0, -1.0] and greedy[2] == float("-inf")
 
 
 def test_unbounded_max_tokens_and_unknown_fields(engine):

@@ -1,0 +1,65 @@
+"""The vLLM backend's sleep and wake-up on a shared GPU (engines/vllm/engine.py),
+with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from engines.vllm import VLLMEngine
+from engines.vllm import engine as vllm_engine
+from engines.vllm.core import CoreCalls
+
+
+@pytest.fixture
+def engine() -> VLLMEngine:
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM to start
+    engine.config = SimpleNamespace(name="e0")
+    engine.engine = SimpleNamespace(errored=False)
+    engine._core = CoreCalls(engine.engine, "e0")
+    return engine
+
+
+def gpu_readings(engine, monkeypatch, used: list[int], total: int = 100) -> list[int]:
+    """The engine's GPU memory as `worker_memory` reports it: the next of
+    `used` per call (the last one from then on); returns the readings taken."""
+    taken: list[int] = []
+
+    async def rpc(method, *args, **kwargs):
+        taken.append(used[min(len(taken), len(used) - 1)])
+        return [{"gpu_uuid": "GPU-a", "used_bytes": taken[-1], "total_bytes": total}]
+
+    async def sleep(level, mode):
+        pass
+
+    monkeypatch.setattr(engine, "_rpc", rpc)
+    monkeypatch.setattr(vllm_engine, "ROOM_POLL_S", 0.0)
+    engine.sleep_mode = True
+    engine._slept_bytes = {}
+    engine.engine.sleep = sleep
+    return taken
+
+
+def test_a_spare_wakes_once_its_gpu_has_the_room_its_sleep_freed(engine, monkeypatch):
+    # Asleep it frees 40 (60 -> 20); then an engine beside it dies and its
+    # memory goes in steps: free 30, 35, then 60 >= 40.
+    taken = gpu_readings(engine, monkeypatch, [60, 20, 70, 65, 40, 10])
+
+    async def main():
+        await engine.sleep(1)
+        await engine.wait_gpu_room(timeout_s=5)
+
+    asyncio.run(main())
+    assert taken == [60, 20, 70, 65, 40]  # it looked until the room was there, and no longer
+
+
+def test_waiting_for_room_ends_at_its_deadline(engine, monkeypatch):
+    gpu_readings(engine, monkeypatch, [60, 20, 95])
+
+    async def main():
+        await engine.sleep(1)
+        return await engine.wait_gpu_room(timeout_s=0.2)
+
+    assert 0.2 <= asyncio.run(main()) < 2
