@@ -10,8 +10,9 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engines.base import warn_vocab_mismatch
 from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, RequestError
 from engines.hf import HFEngine
@@ -313,7 +314,32 @@ def test_unbounded_max_tokens_and_unknown_fields(engine):
         run(engine.generate(PROMPT, SamplingParams(logprobs=21)))
 
 
-def test_tokenizer_and_model_vocab_mismatch_is_warned_at_start_up(tiny_model, tmp_path, caplog):
+def vocab_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "vocab_size" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_size", "vocab", "rows", "warned"),
+    [
+        (259, 320, 320, False),  # the tiny model: 259 tokens padded to a multiple of 64
+        (259, 320, 384, False),  # ... and vLLM's rows, padded again
+        (151665, 151936, 151936, False),  # Qwen2.5's checkpoints ship padded
+        (259, 259, 320, False),
+        (330, 320, 320, True),  # tokens added to the tokenizer, not to the model
+        (300, 299, 320, True),  # past the vocabulary, even inside vLLM's padded rows
+    ],
+)
+def test_only_a_tokenizer_past_the_models_vocabulary_is_warned(
+    caplog, tokenizer_size, vocab, rows, warned
+):
+    with caplog.at_level("WARNING", logger="engines.base"):
+        warn_vocab_mismatch("e-0", tokenizer_size, vocab, rows)
+    assert bool(vocab_warnings(caplog)) == warned
+
+
+def test_a_padded_vocabulary_is_not_warned_at_start_up(tiny_model, tmp_path, caplog):
+    """The demo's tiny model, and a copy whose embeddings were resized to
+    64 more rows: more rows than tokens is padding, nothing is wrong."""
     model_dir = tmp_path / "grown-vocab"
     shutil.copytree(tiny_model, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -323,10 +349,29 @@ def test_tokenizer_and_model_vocab_mismatch_is_warned_at_start_up(tiny_model, tm
     model.resize_token_embeddings(config["vocab_size"])
     model.save_pretrained(model_dir)
     with caplog.at_level("WARNING", logger="engines.base"):
+        for path in (tiny_model, str(model_dir)):
+            padded = make_engine(path)
+            run(padded.shutdown())
+            assert len(padded.tokenizer) < padded.vocab_size
+    assert vocab_warnings(caplog) == []
+
+
+def test_tokens_added_to_the_tokenizer_alone_are_warned_at_start_up(tiny_model, tmp_path, caplog):
+    """A tokenizer grown past the model's vocabulary (its embeddings not
+    resized with it) holds ids the engine cannot serve."""
+    model_dir = tmp_path / "grown-tokenizer"
+    shutil.copytree(tiny_model, model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens([f"<|new-{i}|>" for i in range(vocab + 1 - len(tokenizer))])
+    tokenizer.save_pretrained(model_dir)
+    with caplog.at_level("WARNING", logger="engines.base"):
         grown = make_engine(str(model_dir))
     run(grown.shutdown())
     tokenizer_size = len(grown.tokenizer)
-    (message,) = [r.getMessage() for r in caplog.records if "vocab_size" in r.getMessage()]
+    assert tokenizer_size == vocab + 1
+    (message,) = vocab_warnings(caplog)
     assert f"the tokenizer has {tokenizer_size} tokens" in message
-    assert f"vocab_size is {config['vocab_size']}" in message
-    assert f"holds {config['vocab_size']} embedding rows" in message
+    assert f"vocab_size is {vocab}" in message
+    assert f"holds {vocab} embedding rows" in message
+    assert f"token ids >= {vocab} cannot be served" in message
