@@ -81,8 +81,8 @@ class HFEngine(RolloutEngine):
         # only: the driver creates the actor from this module without paying
         # their import (seconds on a CPU box, on the start-up's critical path
         # before the actor even existed).
-        from engines.hf import worker
         from engines.hf.batch import BatchRunner
+        from engines.hf.worker import load_model
 
         clock.mark("torch and transformers imports")
         super().__init__(config)
@@ -90,7 +90,7 @@ class HFEngine(RolloutEngine):
         self.max_logprobs = options.max_logprobs
         if after:
             wait_turn(after, env.ready_timeout_s(), config.name, clock)
-        self.tokenizer, self.worker = worker.load(
+        self.tokenizer, self.worker = load_model(
             config.pretrain, options.dtype, options.trust_remote_code, clock
         )
         model = self.worker.model

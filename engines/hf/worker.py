@@ -32,7 +32,7 @@ class HFWorker(WeightSyncWorkerExtension):
         return self.model
 
 
-def load(
+def load_model(
     pretrain: str, dtype: str, trust_remote_code: bool, clock: StartupClock
 ) -> tuple[Any, HFWorker]:
     """The checkpoint's tokenizer, and a worker holding its model in eval mode

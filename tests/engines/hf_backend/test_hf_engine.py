@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from fresh_imports import imported_with
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.base import warn_vocab_mismatch
@@ -375,3 +376,9 @@ def test_tokens_added_to_the_tokenizer_alone_are_warned_at_start_up(tiny_model, 
     assert f"vocab_size is {vocab}" in message
     assert f"holds {vocab} embedding rows" in message
     assert f"token ids >= {vocab} cannot be served" in message
+
+
+def test_importing_the_backend_leaves_torch_to_the_actor():
+    """The driver creates the actor from `engines.hf`; torch and transformers
+    are imported by the actor, as it starts."""
+    assert imported_with("engines.hf") == []

@@ -8,6 +8,7 @@ import importlib.util
 from types import SimpleNamespace
 
 import pytest
+from fresh_imports import imported_with
 
 from engines.vllm import VLLMEngine
 from engines.vllm import engine as vllm_engine
@@ -73,3 +74,9 @@ def test_no_test_folder_passes_for_vllm():
     then takes vLLM for installed."""
     spec = importlib.util.find_spec("vllm")
     assert spec is None or spec.origin is not None
+
+
+def test_importing_the_backend_leaves_vllm_to_the_actor():
+    """The driver creates the actor from `engines.vllm`, on a CPU machine too;
+    vLLM (and torch) are imported by the actor, as it starts."""
+    assert imported_with("engines.vllm") == []
