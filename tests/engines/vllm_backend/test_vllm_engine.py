@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 from fresh_imports import imported_with
 
+from engines.config import EngineConfig
 from engines.vllm import VLLMEngine
 from engines.vllm import engine as vllm_engine
 from engines.vllm.core import CoreCalls
+from engines.vllm.engine import WORKER_EXTENSION, engine_args
 
 
 @pytest.fixture
@@ -80,3 +82,26 @@ def test_importing_the_backend_leaves_vllm_to_the_actor():
     """The driver creates the actor from `engines.vllm`, on a CPU machine too;
     vLLM (and torch) are imported by the actor, as it starts."""
     assert imported_with("engines.vllm") == []
+
+
+def test_engine_args_are_the_configs_then_the_callers():
+    api = SimpleNamespace(vllm=SimpleNamespace(AsyncEngineArgs=lambda **kw: SimpleNamespace(**kw)))
+    config = EngineConfig(
+        name="e-0",
+        pretrain="m",
+        max_len=64,
+        seed=3,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        rpc_timeout_s=5,
+        engine_kwargs={"disable_log_stats": False, "enforce_eager": True},
+    )
+    args = engine_args(api, config)
+    assert (args.model, args.max_model_len, args.seed, args.tensor_parallel_size) == ("m", 64, 3, 2)
+    assert args.distributed_executor_backend == "ray"  # TP>1: vLLM's Ray executor
+    assert args.gpu_memory_utilization == 0.5 and args.worker_extension_cls == WORKER_EXTENSION
+    assert args.disable_log_stats is False and args.enforce_eager is True  # the caller's
+    one_gpu = engine_args(api, config.model_copy(update={"tensor_parallel_size": 1}))
+    assert one_gpu.distributed_executor_backend == "uni"
+    quiet = engine_args(api, config.model_copy(update={"engine_kwargs": {}}))
+    assert quiet.disable_log_stats is True
