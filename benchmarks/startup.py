@@ -309,12 +309,12 @@ def run_child(args, kind: str, cache: Path, log: Path) -> dict:
             result = json.loads(line.removeprefix(RESULT))
             if args.backend == "vllm" and kind in ("plain", "ours"):
                 if kind == "plain":
-                    from engines.startup import vllm_log_phases
+                    from engines.vllm.startup_log import vllm_log_phases
 
                     result["vllm_phases"] = {p.name: p.seconds for p in vllm_log_phases(text)}
                 # vLLM spawns its engine core (a fresh interpreter that imports
                 # vLLM again) when it must; plain forks it, ours forks it from
-                # the actor's forkserver (engines/forkserver.py).
+                # the actor's forkserver (engines/vllm/forkserver.py).
                 spawned = "Overriding VLLM_WORKER_MULTIPROC_METHOD to 'spawn'" in text
                 unspawned = "fork" if kind == "plain" else "fork from our forkserver"
                 result["engine_core_start"] = "spawn" if spawned else unspawned

@@ -64,25 +64,25 @@ def wait_turn(after: list[Any], timeout_s: float, name: str, clock: StartupClock
 
 
 def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows: int) -> None:
-    """At start-up: a trainer that added tokens (and resized its embeddings to
-    its tokenizer) sends embed_tokens/lm_head with more rows than the engine
-    holds. Warned by each engine; Ray folds the same line from many actors."""
-    if tokenizer_size == model_vocab:
+    """At start-up: a tokenizer with more tokens than the model's vocabulary
+    (tokens added to it, the model's embeddings not resized with it) has ids
+    the engine cannot serve, and a trainer that resized its embeddings for
+    them will have its sync refused. A vocabulary larger than the tokenizer
+    is padding (vLLM pads its rows to a multiple of 64; the tiny model and
+    many checkpoints ship padded): nothing is wrong, nothing is warned.
+    Warned by each engine; Ray folds the same line from many actors."""
+    if tokenizer_size <= model_vocab:
         return
-    if tokenizer_size > rows:
-        consequence = f"token ids >= {rows} cannot be served"
-    else:  # the usual padded vocabulary: only a resize to the tokenizer's size breaks
-        consequence = "the vocabulary is padded"
     logger.warning(
         "engine %s: the tokenizer has %d tokens, the model's vocab_size is %d and the "
-        "engine holds %d embedding rows (%s); a trainer that resizes its embeddings to "
-        "the tokenizer's size will have its sync refused: keep the trainer's embeddings "
-        "at the model's vocab_size, or save the resized model and create the engines from it",
+        "engine holds %d embedding rows: token ids >= %d cannot be served, and a trainer "
+        "whose embeddings were resized to the tokenizer's size will have its sync refused: "
+        "save the resized model with its tokenizer and create the engines from it",
         engine,
         tokenizer_size,
         model_vocab,
         rows,
-        consequence,
+        model_vocab,
     )
 
 

@@ -111,10 +111,10 @@ def resolve_backend(backend: str) -> str:
 def backend_class(backend: str) -> type:
     # Imported here: the vLLM backend imports vllm, which CPU code must not need.
     if backend == "vllm":
-        from engines.vllm_backend import VLLMEngine
+        from engines.vllm import VLLMEngine
 
         return VLLMEngine
-    from engines.hf_backend import HFEngine
+    from engines.hf import HFEngine
 
     return HFEngine
 

@@ -10,9 +10,7 @@ def end_generation_thread(engine, timeout_s: float = 60.0) -> None:
     engine-core process dies under a live engine actor."""
 
     def end(actor) -> None:  # runs in the actor; nested, so pickled by value
-        with actor._cond:
-            actor._stopping = True
-            actor._cond.notify_all()
-        actor._thread.join(timeout=30)
+        actor._loop.stop()
+        actor._loop.thread.join(timeout=30)
 
     ray.get(engine.__ray_call__.remote(end), timeout=timeout_s)

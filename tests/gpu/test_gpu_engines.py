@@ -326,7 +326,7 @@ def test_vocab_padding_is_vllms():
         pad_vocab_size,
     )
 
-    from engines.vllm_backend import VOCAB_PADDING, padded_vocab_rows
+    from engines.vllm.api import VOCAB_PADDING, padded_vocab_rows
 
     assert VOCAB_PADDING == DEFAULT_VOCAB_PADDING_SIZE
     for vocab in (1, 63, 64, 65, 32000, 151643, 151936):

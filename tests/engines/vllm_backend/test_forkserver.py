@@ -1,4 +1,4 @@
-"""The engine core's forkserver (engines/forkserver.py): a forked child finds
+"""The engine core's forkserver (engines/vllm/forkserver.py): a forked child finds
 the preloaded modules imported, and dies with the process that started the
 server, even when that process is killed with SIGKILL."""
 
@@ -19,7 +19,7 @@ from waiting import wait_until
 ACTOR = textwrap.dedent(
     """
     import ctypes, json, os, sys, time
-    from engines import forkserver
+    from engines.vllm import forkserver
 
     def report(path):
         pdeathsig = ctypes.c_int()

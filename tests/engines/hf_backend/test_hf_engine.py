@@ -10,11 +10,13 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from fresh_imports import imported_with
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engines.base import warn_vocab_mismatch
 from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, RequestError
-from engines.hf_backend import HFEngine
+from engines.hf import HFEngine
 from engines.sampling import SamplingParams
 
 PROMPT = [42, 71, 78, 78, 81, 14]
@@ -245,17 +247,17 @@ def test_pause_keep_freezes_a_request_across_a_sync_and_resumes_it(tiny_model, t
 
     async def scenario():
         # The previous call's batch may still be closing (its answer is sent
-        # before the thread clears `_running`): wait until it has, so that
-        # `_running` below is this request's batch.
+        # before the thread clears `running`): wait until it has, so that
+        # `running` below is this request's batch.
         deadline = time.monotonic() + 30
-        while engine._running:
+        while engine._loop.running:
             assert time.monotonic() < deadline, "the previous batch never closed"
             await asyncio.sleep(0.01)
         # Hold the model: the generation thread stops at its first forward
         # pass, so the pause surely finds the request in flight.
         engine._model_lock.acquire()
         request = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(**greedy)))
-        while not engine._running:  # the thread took it into a batch
+        while not engine._loop.running:  # the thread took it into a batch
             await asyncio.sleep(0.01)
         pausing = asyncio.ensure_future(engine.pause_generation())
         engine._model_lock.release()
@@ -300,22 +302,6 @@ def test_stop_strings_cut_the_text_as_vllm_does(engine):
     assert kept.text == free.text[: start + len(stop)]
 
 
-def test_penalties_min_p_and_max_tokens_none():
-    from engines.hf_sampling import processed_logits
-
-    logits = torch.tensor([2.0, -1.0, 0.5, 0.0])
-    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    out = processed_logits(logits, params, banned=[], prompt=[0], output=[1, 1])
-    # token 0 (prompt): 2/2; token 1 (output twice): -1*2 - 0.5*2 - 0.25
-    torch.testing.assert_close(out, torch.tensor([1.0, -3.25, 0.5, 0.0]))
-    only_top = processed_logits(logits, SamplingParams(min_p=0.5), banned=[], prompt=[], output=[])
-    assert torch.isfinite(only_top).tolist() == [True, False, False, False]
-    greedy = processed_logits(
-        logits, SamplingParams(temperature=0.0, min_p=0.5), banned=[2], prompt=[], output=[]
-    )
-    assert greedy.tolist()[:2] == [2.0, -1.0] and greedy[2] == float("-inf")
-
-
 def test_unbounded_max_tokens_and_unknown_fields(engine):
     out = run(engine.generate(PROMPT, SamplingParams(max_tokens=None, ignore_eos=True)))
     assert len(out.outputs[0].token_ids) == 64 - len(PROMPT)  # up to max_len
@@ -329,7 +315,32 @@ def test_unbounded_max_tokens_and_unknown_fields(engine):
         run(engine.generate(PROMPT, SamplingParams(logprobs=21)))
 
 
-def test_tokenizer_and_model_vocab_mismatch_is_warned_at_start_up(tiny_model, tmp_path, caplog):
+def vocab_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "vocab_size" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_size", "vocab", "rows", "warned"),
+    [
+        (259, 320, 320, False),  # the tiny model: 259 tokens padded to a multiple of 64
+        (259, 320, 384, False),  # ... and vLLM's rows, padded again
+        (151665, 151936, 151936, False),  # Qwen2.5's checkpoints ship padded
+        (259, 259, 320, False),
+        (330, 320, 320, True),  # tokens added to the tokenizer, not to the model
+        (300, 299, 320, True),  # past the vocabulary, even inside vLLM's padded rows
+    ],
+)
+def test_only_a_tokenizer_past_the_models_vocabulary_is_warned(
+    caplog, tokenizer_size, vocab, rows, warned
+):
+    with caplog.at_level("WARNING", logger="engines.base"):
+        warn_vocab_mismatch("e-0", tokenizer_size, vocab, rows)
+    assert bool(vocab_warnings(caplog)) == warned
+
+
+def test_a_padded_vocabulary_is_not_warned_at_start_up(tiny_model, tmp_path, caplog):
+    """The demo's tiny model, and a copy whose embeddings were resized to
+    64 more rows: more rows than tokens is padding, nothing is wrong."""
     model_dir = tmp_path / "grown-vocab"
     shutil.copytree(tiny_model, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -339,10 +350,35 @@ def test_tokenizer_and_model_vocab_mismatch_is_warned_at_start_up(tiny_model, tm
     model.resize_token_embeddings(config["vocab_size"])
     model.save_pretrained(model_dir)
     with caplog.at_level("WARNING", logger="engines.base"):
+        for path in (tiny_model, str(model_dir)):
+            padded = make_engine(path)
+            run(padded.shutdown())
+            assert len(padded.tokenizer) < padded.vocab_size
+    assert vocab_warnings(caplog) == []
+
+
+def test_tokens_added_to_the_tokenizer_alone_are_warned_at_start_up(tiny_model, tmp_path, caplog):
+    """A tokenizer grown past the model's vocabulary (its embeddings not
+    resized with it) holds ids the engine cannot serve."""
+    model_dir = tmp_path / "grown-tokenizer"
+    shutil.copytree(tiny_model, model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens([f"<|new-{i}|>" for i in range(vocab + 1 - len(tokenizer))])
+    tokenizer.save_pretrained(model_dir)
+    with caplog.at_level("WARNING", logger="engines.base"):
         grown = make_engine(str(model_dir))
     run(grown.shutdown())
     tokenizer_size = len(grown.tokenizer)
-    (message,) = [r.getMessage() for r in caplog.records if "vocab_size" in r.getMessage()]
+    assert tokenizer_size == vocab + 1
+    (message,) = vocab_warnings(caplog)
     assert f"the tokenizer has {tokenizer_size} tokens" in message
-    assert f"vocab_size is {config['vocab_size']}" in message
-    assert f"holds {config['vocab_size']} embedding rows" in message
+    assert f"vocab_size is {vocab}" in message
+    assert f"holds {vocab} embedding rows" in message
+    assert f"token ids >= {vocab} cannot be served" in message
+
+
+def test_importing_the_backend_leaves_torch_to_the_actor():
+    """The driver creates the actor from `engines.hf`; torch and transformers
+    are imported by the actor, as it starts."""
+    assert imported_with("engines.hf") == []

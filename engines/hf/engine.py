@@ -1,0 +1,231 @@
+"""The CPU backend: a transformers causal LM inside the engine actor.
+
+It serves the same actor API as the vLLM backend, so everything above the
+engine layer runs on a laptop or CI box. Concurrent `generate` calls queue up
+and one generation thread (`engines.hf.loop`) runs them in padded batches
+(`engines.hf.batch`; static batching: requests arriving mid-batch wait for
+the next one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from engines import env
+from engines.base import (
+    SLEEP_TAGS,
+    RolloutEngine,
+    check_sleep_level,
+    wait_turn,
+    wake_tags,
+    warn_vocab_mismatch,
+)
+from engines.config import EngineConfig
+from engines.errors import EngineTimeoutError, RequestError
+from engines.hf.loop import GenerationLoop
+from engines.outputs import RequestOutput
+from engines.sampling import SamplingParams
+from engines.spec import check_hf_kwargs
+from engines.startup import StartupClock, actor_clock
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """The engine arguments this backend reads (vLLM's others it ignores)."""
+
+    dtype: str
+    max_num_seqs: int
+    # vLLM's: logprobs of the raw distribution, or of the one sampled from
+    # (after temperature, top-k, top-p); at most `max_logprobs` per token.
+    processed_logprobs: bool
+    max_logprobs: int
+    trust_remote_code: bool
+
+    @classmethod
+    def from_engine_kwargs(cls, engine_kwargs: dict[str, Any]) -> HFOptions:
+        kwargs = dict(engine_kwargs)
+        check_hf_kwargs(kwargs)
+        options = cls(
+            dtype=kwargs.pop("dtype", "auto"),
+            max_num_seqs=int(kwargs.pop("max_num_seqs", 64)),
+            processed_logprobs=kwargs.pop("logprobs_mode", "raw_logprobs") != "raw_logprobs",
+            max_logprobs=int(kwargs.pop("max_logprobs", 20)),
+            trust_remote_code=bool(kwargs.pop("trust_remote_code", False)),
+        )
+        if kwargs:
+            logger.info("backend 'hf' ignores vLLM engine arguments %s", sorted(kwargs))
+        return options
+
+
+class HFEngine(RolloutEngine):
+    backend = "hf"
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: StartupClock | None = None,
+        after: list[Any] | None = None,
+    ):
+        """`after`: wait for these before the model loads (`wait_turn`)."""
+        clock = clock or actor_clock()
+        # torch and transformers come with these, imported in the engine actor
+        # only: the driver creates the actor from this module without paying
+        # their import (seconds on a CPU box, on the start-up's critical path
+        # before the actor even existed).
+        from engines.hf.batch import BatchRunner
+        from engines.hf.worker import load_model
+
+        clock.mark("torch and transformers imports")
+        super().__init__(config)
+        options = HFOptions.from_engine_kwargs(config.engine_kwargs)
+        self.max_logprobs = options.max_logprobs
+        if after:
+            wait_turn(after, env.ready_timeout_s(), config.name, clock)
+        self.tokenizer, self.worker = load_model(
+            config.pretrain, options.dtype, options.trust_remote_code, clock
+        )
+        model = self.worker.model
+        self.vocab_size = model.config.vocab_size
+        warn_vocab_mismatch(
+            config.name,
+            len(self.tokenizer),
+            self.vocab_size,
+            model.get_input_embeddings().weight.shape[0],
+        )
+        # Held around each forward pass and while the workers run an RPC
+        # (weights change): no step ever sees half-updated weights.
+        self._model_lock = threading.Lock()
+        self._runner = BatchRunner(
+            config,
+            self.worker,
+            self.tokenizer,
+            self._model_lock,
+            processed_logprobs=options.processed_logprobs,
+            version=lambda: self.weight_version,
+        )
+        self._loop = GenerationLoop(config.name, options.max_num_seqs, self._runner.run)
+        clock.mark("generation thread")
+        self.startup = clock.report(config.name, self.backend)
+        logger.info(
+            "engine %s: %s on %s, seed %d, up in %.1fs",
+            config.name,
+            config.pretrain,
+            self.worker.device,
+            config.seed,
+            self.startup.seconds,
+        )
+
+    # --- API ------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
+        params = SamplingParams.coerce(sampling_params)
+        self.check_request(prompts, params)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise RequestError(
+                    f"{name}={asked} is more than the engine's max_logprobs={self.max_logprobs}"
+                )
+        for i, prompt in enumerate(prompts):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}"
+                )
+        # Waits while paused. The generation thread itself records the versions
+        # each request runs under (a queued one may wait through a sync).
+        async with self._admission.request():
+            self.check_request(prompts, params)  # a failed sync may have left it stale
+            self._loop.raise_if_dead()
+            loop = asyncio.get_running_loop()
+            requests = [self._runner.new_request(prompt, params, loop) for prompt in prompts]
+            self._loop.submit(requests)
+            return list(await asyncio.gather(*(r.future for r in requests)))
+
+    async def get_num_unfinished_requests(self) -> int:
+        return self._loop.unfinished()
+
+    async def health(self) -> dict[str, Any]:
+        self._loop.raise_if_dead()
+        info = self.base_health()
+        info.update(
+            num_unfinished_requests=self._loop.unfinished(),
+            paused=self._admission.closed,
+            sleeping=sorted(self._asleep),
+            device=str(self.worker.device),
+            memory=self._memory(),
+            pid=os.getpid(),
+            node_id=ray.get_runtime_context().get_node_id(),
+        )
+        return info
+
+    async def sleep(self, level: int = 1) -> None:
+        check_sleep_level(level)
+        # Nothing to offload on the CPU: sleeping means serving no work until
+        # woken, like vLLM's sleep mode (which lets requests in flight finish).
+        await self.pause_generation(mode="wait")
+        self._asleep = set(SLEEP_TAGS)
+        await self.resume_generation()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        tags_set = wake_tags(tags)
+        self._asleep -= tags_set
+
+    async def _freeze(self) -> None:
+        await asyncio.to_thread(self._loop.freeze)
+
+    async def _thaw(self) -> None:
+        self._loop.thaw()
+
+    async def _abort_requests(self) -> None:
+        self._loop.abort(self._runner.aborted)
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout_s: float | None = None,
+    ):
+        function = getattr(self.worker, method, None)
+        if function is None or method.startswith("_"):
+            raise RequestError(f"the worker has no method {method!r}")
+
+        def run() -> Any:
+            with self._model_lock:
+                return function(*args, **(kwargs or {}))
+
+        timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+        try:
+            # The thread itself cannot be interrupted: the worker's own
+            # collectives carry deadlines; this bounds what the caller waits.
+            return [await asyncio.wait_for(asyncio.to_thread(run), timeout)]
+        except TimeoutError as exc:
+            raise EngineTimeoutError(
+                f"engine {self.config.name}: {method} took longer than {timeout:g}s",
+                engine=self.config.name,
+            ) from exc
+
+    async def shutdown(self) -> None:
+        self._loop.stop()
+
+    def _memory(self) -> dict[str, int]:
+        device = self.worker.device
+        if device.type == "cuda":
+            import torch  # imported with the model already (see __init__)
+
+            return {"allocated_bytes": torch.cuda.memory_allocated(device)}
+        with open("/proc/self/statm") as statm:
+            rss_pages = int(statm.read().split()[1])
+        return {"rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE")}

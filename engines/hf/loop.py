@@ -1,0 +1,168 @@
+"""The CPU backend's generation thread: the queue of requests, the batch it
+runs (`engines.hf.batch`), and the pause flags it obeys between two steps.
+
+Static batching: requests arriving mid-batch wait for the next batch. The
+actor's event loop submits, pauses and stops; the thread answers each
+request's future on that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from engines.errors import EngineDeadError
+from engines.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engines.hf.batch import Request
+
+logger = logging.getLogger(__name__)
+
+#: Runs one batch; the callable it is given says, between two steps, whether
+#: to go on (False: the batch is aborted, or the engine shuts down).
+RunBatch = Callable[["list[Request]", Callable[[], bool]], list[RequestOutput]]
+
+
+class GenerationLoop:
+    """The generation thread and the state it shares with the actor."""
+
+    def __init__(self, engine: str, max_num_seqs: int, run_batch: RunBatch):
+        self.engine = engine
+        self.max_num_seqs = max_num_seqs
+        self._run_batch = run_batch
+        # Shared with the generation thread, under `_cond`: the queue, the
+        # batch running, and the pause flags it obeys between two steps.
+        self._cond = threading.Condition()
+        self._pending: list[Request] = []
+        self.running = 0  # requests in the batch running
+        self._stepping = False  # the thread is inside a step (a forward pass and sampling)
+        self._frozen = False  # pause "keep": park before the next step
+        self._aborting = False  # pause "abort": end the batch running
+        self._stopping = False
+        self._thread_error: BaseException | None = None
+        self._ended = False  # the thread is gone: nothing queued would run
+        self.thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
+        self.thread.start()
+
+    # --- from the actor ---------------------------------------------------------
+    def submit(self, requests: list[Request]) -> None:
+        with self._cond:
+            if self._ended:  # since the caller's `raise_if_dead`: nothing would run them
+                raise self.dead_error()
+            self._pending.extend(requests)
+            self._cond.notify_all()
+
+    def unfinished(self) -> int:
+        with self._cond:
+            return len(self._pending) + self.running
+
+    def freeze(self) -> None:
+        """Park the thread before its next step; returns once it is in none
+        (blocking: the actor runs it in a thread)."""
+        with self._cond:
+            self._frozen = True
+            while self._stepping:
+                self._cond.wait()
+
+    def thaw(self) -> None:
+        with self._cond:
+            self._frozen = False
+            self._cond.notify_all()
+
+    def abort(self, aborted: Callable[[Request], RequestOutput]) -> None:
+        """End the batch running at its next step, and answer every queued
+        request now with `aborted(request)` (on the actor's event loop)."""
+        with self._cond:
+            queued, self._pending = self._pending, []
+            self._aborting = bool(self.running)
+            self._cond.notify_all()
+        for request in queued:
+            _resolve(request.future, aborted(request), None)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def raise_if_dead(self) -> None:
+        if self._ended or not self.thread.is_alive():
+            raise self.dead_error()
+
+    def dead_error(self) -> EngineDeadError:
+        cause = "" if self._thread_error is None else f": {self._thread_error!r}"
+        return EngineDeadError(
+            f"engine {self.engine}'s generation thread ended{cause}", engine=self.engine
+        )
+
+    # --- the generation thread ----------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and (not self._pending or self._frozen):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    batch = self._take_batch()
+                    self.running = len(batch)
+                    self._stepping = True
+                try:
+                    outputs = self._run_batch(batch, self._next_step)
+                    for request, output in zip(batch, outputs, strict=True):
+                        request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
+                except Exception as exc:  # noqa: BLE001 - handed to each caller
+                    logger.exception("engine %s: batch failed", self.engine)
+                    for request in batch:
+                        request.loop.call_soon_threadsafe(_resolve, request.future, None, exc)
+                finally:
+                    with self._cond:
+                        self.running = 0
+                        self._stepping = self._aborting = False
+                        self._cond.notify_all()
+        except BaseException as exc:
+            self._thread_error = exc
+            raise
+        finally:
+            self._fail_queued()
+
+    def _take_batch(self) -> list[Request]:
+        batch, seqs = [], 0
+        while self._pending:
+            if batch and seqs + self._pending[0].params.n > self.max_num_seqs:
+                break
+            request = self._pending.pop(0)
+            batch.append(request)
+            seqs += request.params.n
+        return batch
+
+    def _fail_queued(self) -> None:
+        """The generation thread is ending: nothing will run what is queued,
+        so its callers learn now that the engine is dead, not at their deadline."""
+        with self._cond:
+            self._ended = True
+            queued, self._pending = self._pending, []
+        for request in queued:
+            request.loop.call_soon_threadsafe(_resolve, request.future, None, self.dead_error())
+
+    def _next_step(self) -> bool:
+        """Between two steps: park while frozen; False when the batch is aborted."""
+        with self._cond:
+            self._stepping = False
+            self._cond.notify_all()
+            while self._frozen and not (self._stopping or self._aborting):
+                self._cond.wait()
+            self._stepping = True
+            return not (self._stopping or self._aborting)
+
+
+def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)

@@ -1,0 +1,107 @@
+"""The vLLM backend's sleep and wake-up on a shared GPU (engines/vllm/engine.py),
+with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+from fresh_imports import imported_with
+
+from engines.config import EngineConfig
+from engines.vllm import VLLMEngine
+from engines.vllm import engine as vllm_engine
+from engines.vllm.core import CoreCalls
+from engines.vllm.engine import WORKER_EXTENSION, engine_args
+
+
+@pytest.fixture
+def engine() -> VLLMEngine:
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM to start
+    engine.config = SimpleNamespace(name="e0")
+    engine.engine = SimpleNamespace(errored=False)
+    engine._core = CoreCalls(engine.engine, "e0")
+    return engine
+
+
+def gpu_readings(engine, monkeypatch, used: list[int], total: int = 100) -> list[int]:
+    """The engine's GPU memory as `worker_memory` reports it: the next of
+    `used` per call (the last one from then on); returns the readings taken."""
+    taken: list[int] = []
+
+    async def rpc(method, *args, **kwargs):
+        taken.append(used[min(len(taken), len(used) - 1)])
+        return [{"gpu_uuid": "GPU-a", "used_bytes": taken[-1], "total_bytes": total}]
+
+    async def sleep(level, mode):
+        pass
+
+    monkeypatch.setattr(engine, "_rpc", rpc)
+    monkeypatch.setattr(vllm_engine, "ROOM_POLL_S", 0.0)
+    engine.sleep_mode = True
+    engine._slept_bytes = {}
+    engine.engine.sleep = sleep
+    return taken
+
+
+def test_a_spare_wakes_once_its_gpu_has_the_room_its_sleep_freed(engine, monkeypatch):
+    # Asleep it frees 40 (60 -> 20); then an engine beside it dies and its
+    # memory goes in steps: free 30, 35, then 60 >= 40.
+    taken = gpu_readings(engine, monkeypatch, [60, 20, 70, 65, 40, 10])
+
+    async def main():
+        await engine.sleep(1)
+        await engine.wait_gpu_room(timeout_s=5)
+
+    asyncio.run(main())
+    assert taken == [60, 20, 70, 65, 40]  # it looked until the room was there, and no longer
+
+
+def test_waiting_for_room_ends_at_its_deadline(engine, monkeypatch):
+    gpu_readings(engine, monkeypatch, [60, 20, 95])
+
+    async def main():
+        await engine.sleep(1)
+        return await engine.wait_gpu_room(timeout_s=0.2)
+
+    assert 0.2 <= asyncio.run(main()) < 2
+
+
+def test_no_test_folder_passes_for_vllm():
+    """pytest puts test folders on sys.path (tests/engines for the tests in
+    it): a folder named `vllm` in one, this folder's natural name, passes for
+    vLLM as a namespace package on a machine without vLLM, and the driver
+    then takes vLLM for installed."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is None or spec.origin is not None
+
+
+def test_importing_the_backend_leaves_vllm_to_the_actor():
+    """The driver creates the actor from `engines.vllm`, on a CPU machine too;
+    vLLM (and torch) are imported by the actor, as it starts."""
+    assert imported_with("engines.vllm") == []
+
+
+def test_engine_args_are_the_configs_then_the_callers():
+    api = SimpleNamespace(vllm=SimpleNamespace(AsyncEngineArgs=lambda **kw: SimpleNamespace(**kw)))
+    config = EngineConfig(
+        name="e-0",
+        pretrain="m",
+        max_len=64,
+        seed=3,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        rpc_timeout_s=5,
+        engine_kwargs={"disable_log_stats": False, "enforce_eager": True},
+    )
+    args = engine_args(api, config)
+    assert (args.model, args.max_model_len, args.seed, args.tensor_parallel_size) == ("m", 64, 3, 2)
+    assert args.distributed_executor_backend == "ray"  # TP>1: vLLM's Ray executor
+    assert args.gpu_memory_utilization == 0.5 and args.worker_extension_cls == WORKER_EXTENSION
+    assert args.disable_log_stats is False and args.enforce_eager is True  # the caller's
+    one_gpu = engine_args(api, config.model_copy(update={"tensor_parallel_size": 1}))
+    assert one_gpu.distributed_executor_backend == "uni"
+    quiet = engine_args(api, config.model_copy(update={"engine_kwargs": {}}))
+    assert quiet.disable_log_stats is True
