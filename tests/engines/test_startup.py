@@ -7,10 +7,10 @@ from __future__ import annotations
 import ray
 
 from engines import create_vllm_engines, destroy_engines, env
+from engines.actors import actor_env
 from engines.config import EngineConfig
 from engines.placement import EnginePlacement
 from engines.startup import Phase, StartupClock, StartupReport, vllm_log_phases
-from engines.vllm_engine import actor_env
 
 # vLLM 0.26.0's lines as an engine core writes them (Ray's and vLLM's prefixes included).
 P = "(EngineCore pid=812) INFO 11-30 10:00:01"
