@@ -29,6 +29,7 @@ def at_least(least: int) -> BeforeValidator:
 
 
 def memory_share(value: Any, info: Any) -> Any:
+    """A share of each GPU's memory, or None for the backend's default."""
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1
     ):

@@ -55,7 +55,7 @@ class EngineSetSpec(EngineSettings):
     `vllm_enable_sleep`): the engines start in sleep mode and are put to
     sleep once up. `placement`: where the set goes (`Placement`)."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True)  # Placement holds a Ray group
 
     num_engines: Annotated[int, at_least(1)]
     seed: int = 42
