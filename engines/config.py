@@ -54,6 +54,8 @@ class Checked(BaseModel):
             if isinstance(cause, EngineSpecError):
                 raise cause from None
             where = ".".join(map(str, error["loc"]))
+            if error["type"] == "missing":
+                raise EngineSpecError(f"{where} is required") from None
             raise EngineSpecError(f"{where}={error['input']!r}: {error['msg']}") from None
 
 

@@ -27,8 +27,8 @@ from engines.placement import Placement
 BACKENDS = ("auto", "vllm", "hf")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
-# Engine arguments `create_vllm_engines` sets from its own parameters: passing
-# one in **engine_kwargs as well would be ambiguous.
+# Engine arguments the spec sets from its own fields (named as
+# `create_vllm_engines`' parameters): one in engine_kwargs as well would be ambiguous.
 RESERVED_ENGINE_KWARGS = {
     "model": "pretrain",
     "max_model_len": "max_len",

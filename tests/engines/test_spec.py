@@ -118,6 +118,11 @@ def test_a_bad_value_is_named(model_dir, no_vllm_fields, change, message):
         EngineSetSpec(**{"pretrain": model_dir, "num_engines": 1, "max_len": 128} | change)
 
 
+def test_a_missing_field_is_named(model_dir):
+    with pytest.raises(EngineSpecError, match="^num_engines is required$"):
+        EngineSetSpec(pretrain=model_dir, max_len=128)
+
+
 def test_the_spec_is_frozen_and_defaults_to_bundles_of_its_own(model_dir):
     made = EngineSetSpec(pretrain=model_dir, num_engines=2, max_len=128)
     assert made.placement == Placement() and made.placement.mode is PlacementMode.OWN_BUNDLES
