@@ -241,7 +241,7 @@ def child_replace(args) -> dict:
     compile cache."""
     from engines import destroy_engines
     from engines.client import get
-    from engines.vllm_engine import replace_engine, restart_engine, swap_in_spare
+    from engines import replace_engine, restart_engine, swap_in_spare
 
     ray = ray_init()
     room = ray.cluster_resources().get("GPU" if args.backend == "vllm" else "CPU", 0)

@@ -22,15 +22,20 @@ from engines.errors import (  # noqa: E402
     PromptTooLongError,
     RequestError,
 )
-from engines.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from engines.sampling import SamplingParams  # noqa: E402
-from engines.vllm_engine import (  # noqa: E402
+from engines.lifecycle import (  # noqa: E402
     EngineSet,
-    batch_vllm_engine_call,
-    create_vllm_engines,
     destroy_engines,
     replace_engine,
+    resolve_backend,
+    restart_engine,
+    start_engine_set,
 )
+from engines.openrlhf import batch_vllm_engine_call, create_vllm_engines  # noqa: E402
+from engines.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from engines.placement import Placement, PlacementMode, check_cluster_fits  # noqa: E402
+from engines.sampling import SamplingParams  # noqa: E402
+from engines.spares import swap_in_spare  # noqa: E402
+from engines.spec import EngineSetSpec  # noqa: E402
 
 __all__ = [
     "BackendUnavailableError",
@@ -39,16 +44,24 @@ __all__ = [
     "EngineDeadError",
     "EngineFailure",
     "EngineSet",
+    "EngineSetSpec",
     "EngineSleepingError",
     "EngineSpecError",
     "EngineTimeoutError",
+    "Placement",
+    "PlacementMode",
     "PromptTooLongError",
     "RequestError",
     "RequestOutput",
     "SamplingParams",
     "batch_vllm_engine_call",
     "call_engines",
+    "check_cluster_fits",
     "create_vllm_engines",
     "destroy_engines",
     "replace_engine",
+    "resolve_backend",
+    "restart_engine",
+    "start_engine_set",
+    "swap_in_spare",
 ]

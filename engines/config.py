@@ -1,27 +1,88 @@
-"""The configuration one engine actor is built from (plain data, crosses Ray)."""
+"""What every engine of a set is built with (`EngineSettings`, each bound
+declared once), and the configuration one engine actor is built from
+(`EngineConfig`: plain data, crosses Ray).
+
+The engine-set spec (`engines.spec.EngineSetSpec`) is `EngineSettings` plus
+what concerns the set; each engine's config is the same settings plus what
+concerns that engine, passed on as a whole (`EngineSettings.settings`). A new
+engine knob is one field here, read by the backend.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from engines.errors import EngineSpecError
 
 
-class EngineConfig(BaseModel):
+def at_least(least: int) -> BeforeValidator:
+    """An integer bound; a bool or a float is refused by name, not coerced."""
+
+    def check(value: Any, info: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise EngineSpecError(f"{info.field_name} must be an integer >= {least}, got {value!r}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def memory_share(value: Any, info: Any) -> Any:
+    """A share of each GPU's memory, or None for the backend's default."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1
+    ):
+        raise EngineSpecError(
+            f"{info.field_name} must be in (0, 1] or None (vLLM's default), got {value!r}"
+        )
+    return value
+
+
+class Checked(BaseModel):
+    """A frozen model whose bad input raises `EngineSpecError` naming the
+    value: the error a check raised, or pydantic's for the field."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="Ray actor name, `<prefix>-<index>`.")
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            cause = error.get("ctx", {}).get("error")
+            if isinstance(cause, EngineSpecError):
+                raise cause from None
+            where = ".".join(map(str, error["loc"]))
+            if error["type"] == "missing":
+                raise EngineSpecError(f"{where} is required") from None
+            raise EngineSpecError(f"{where}={error['input']!r}: {error['msg']}") from None
+
+
+class EngineSettings(Checked):
+    """What every engine of a set gets, unchanged."""
+
     pretrain: str = Field(description="Local model directory (HF layout) or hub id.")
-    max_len: int = Field(ge=2, description="Prompt plus generated tokens, at most.")
-    seed: int
-    gpu_memory_utilization: float | None = Field(
-        None, gt=0.0, le=1.0, description="None: vLLM's default."
+    max_len: Annotated[int, at_least(2)] = Field(
+        description="Prompt plus generated tokens, at most."
     )
-    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: Annotated[float | None, BeforeValidator(memory_share)] = Field(
+        None, description="None: vLLM's default."
+    )
+    tensor_parallel_size: Annotated[int, at_least(1)] = 1
     enable_prefix_caching: bool = False
-    bundle_indices: list[int] = Field(default_factory=list)
-    rpc_timeout_s: float = Field(gt=0.0, description="Deadline of calls into the workers.")
     full_determinism: bool = Field(False, description="OpenRLHF's flag (vLLM backend).")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Backend engine arguments (vLLM's EngineArgs names)."
     )
+
+    def settings(self) -> dict[str, Any]:
+        """These settings alone, to build an engine's config from a spec."""
+        return {name: getattr(self, name) for name in EngineSettings.model_fields}
+
+
+class EngineConfig(EngineSettings):
+    name: str = Field(description="Ray actor name, `<prefix>-<index>`.")
+    seed: int
+    bundle_indices: list[int] = Field(default_factory=list)
+    rpc_timeout_s: float = Field(gt=0.0, description="Deadline of calls into the workers.")

@@ -17,8 +17,8 @@ ENGINE_PREFIX = "rolloutflow-engine"
 
 
 def unique_prefix() -> str:
-    """A fresh prefix for a `create_vllm_engines` call given none: OpenRLHF
-    creates evaluation engines beside rollout engines, without naming either."""
+    """A fresh prefix for an engine set given none: OpenRLHF creates
+    evaluation engines beside rollout engines, without naming either."""
     return f"{ENGINE_PREFIX}-{uuid.uuid4().hex[:8]}"
 
 

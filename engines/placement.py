@@ -1,6 +1,9 @@
 """Placement of engines on the cluster: the only module that creates or
 removes placement groups.
 
+An engine set is placed in one mode (`Placement`): on bundles of its own, on
+a caller's placement group, or on one GPU with its trainer.
+
 One placement group holds the whole engine set, one bundle per tensor-parallel
 rank. The bundles of one engine must sit on one node (TP runs over NVLink /
 shared memory), so bundle indices are grouped by node, the way OpenRLHF's
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
+from enum import Enum
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -22,6 +26,9 @@ from engines.errors import EngineSpecError, EngineTimeoutError
 from engines.naming import placement_group_name
 
 logger = logging.getLogger(__name__)
+
+#: What vLLM takes for `gpu_memory_utilization=None` (EngineArgs, v0.26.0).
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 # OpenRLHF's hybrid engine gives each colocated engine this share of a bundle's
 # GPU, so the trainer's actor fits beside it on the same device.
@@ -212,3 +219,99 @@ def remove_named_groups(name_prefix: str) -> int:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
             removed += 1
     return removed
+
+
+class PlacementMode(Enum):
+    #: A placement group of the set's own, one bundle per tensor-parallel rank.
+    OWN_BUNDLES = "own bundles"
+    #: A caller's placement group (OpenRLHF's `shared_pg`), a fraction of each
+    #: bundle per engine, beside the caller's trainer; the caller keeps it.
+    SHARED_GROUP = "shared group"
+    #: One bundle of one GPU for the engines, spares and their trainer, an
+    #: equal share each, as verl's hybrid engine (on-policy RL on one GPU);
+    #: `EnginePlacement.trainer_options()` are the trainer's Ray options and
+    #: weights go over CUDA IPC.
+    WITH_TRAINER = "with trainer"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an engine set goes: one mode, and the caller's group for
+    `SHARED_GROUP` (only there)."""
+
+    mode: PlacementMode = PlacementMode.OWN_BUNDLES
+    group: PlacementGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, PlacementMode):
+            raise EngineSpecError(f"placement mode must be a PlacementMode, got {self.mode!r}")
+        if (self.mode is PlacementMode.SHARED_GROUP) != (self.group is not None):
+            raise EngineSpecError(
+                f"placement {self.mode.value!r} takes a placement group if and only if it is "
+                f"{PlacementMode.SHARED_GROUP.value!r}, got {self.group!r}"
+            )
+
+    @classmethod
+    def of(cls, shared_pg: PlacementGroup | None, colocate_trainer: bool) -> Placement:
+        """The mode `create_vllm_engines`' two flags (OpenRLHF's `shared_pg`,
+        our `colocate_trainer`) name; they exclude each other."""
+        if colocate_trainer and shared_pg is not None:
+            raise EngineSpecError("colocate_trainer places the engines itself: drop shared_pg")
+        if colocate_trainer:
+            return cls(PlacementMode.WITH_TRAINER)
+        if shared_pg is not None:
+            return cls(PlacementMode.SHARED_GROUP, shared_pg)
+        return cls()
+
+    def check(
+        self,
+        engines: int,
+        tensor_parallel_size: int,
+        gpu_memory_utilization: float | None,
+        backend: str,
+    ) -> None:
+        """`WITH_TRAINER`'s limits: one GPU holds every engine (spares
+        included), each with `gpu_memory_utilization` of it, and the trainer."""
+        if self.mode is not PlacementMode.WITH_TRAINER:
+            return
+        if tensor_parallel_size != 1:
+            raise EngineSpecError(
+                f"colocate_trainer puts every engine on one GPU: tensor_parallel_size must be 1, "
+                f"got {tensor_parallel_size}"
+            )
+        if backend != "vllm":
+            return
+        fraction = gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+        if engines * fraction >= 1:
+            raise EngineSpecError(
+                f"colocate_trainer: {engines} engines (spares included) x gpu_memory_utilization="
+                f"{fraction:g} fill the one GPU they share with the trainer; lower "
+                "gpu_memory_utilization"
+            )
+
+    def place(
+        self, *, num_engines: int, tensor_parallel_size: int, name_prefix: str, timeout_s: float
+    ) -> EnginePlacement:
+        """Reserve the bundles of `num_engines` engines (spares included)."""
+        uses_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        if self.mode is PlacementMode.WITH_TRAINER:
+            return place_with_trainer(
+                num_engines=num_engines,
+                uses_gpu=uses_gpu,
+                name_prefix=name_prefix,
+                timeout_s=timeout_s,
+            )
+        if self.mode is PlacementMode.SHARED_GROUP:
+            return use_shared_group(
+                self.group,
+                num_engines=num_engines,
+                tensor_parallel_size=tensor_parallel_size,
+                timeout_s=timeout_s,
+            )
+        return place_engines(
+            num_engines=num_engines,
+            tensor_parallel_size=tensor_parallel_size,
+            uses_gpu=uses_gpu,
+            name_prefix=name_prefix,
+            timeout_s=timeout_s,
+        )

@@ -1,11 +1,11 @@
-"""What `create_vllm_engines` checks on the driver, before anything exists.
+"""The one spec of an engine set (`EngineSetSpec`), checked on the driver
+before anything exists.
 
 Every error here is `EngineSpecError` naming the bad value: deterministic, so
 the flow never retries it (`tasks.engines.retry_on_engine_failure` retries
-`EngineFailure` only), and nothing is left to clean up.
-
-OpenRLHF's keyword names (`create_vllm_engines` in
-openrlhf/trainer/ray/vllm_engine.py, v0.11.2) are resolved here onto ours.
+`EngineFailure` only), and nothing is left to clean up. What depends on the
+backend the cluster runs (`engine_kwargs_for`) is checked once it is known,
+still before anything is created.
 """
 
 from __future__ import annotations
@@ -16,16 +16,19 @@ import functools
 import importlib.util
 import os
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import ConfigDict, field_validator, model_validator
+
+from engines.config import EngineSettings, at_least
 from engines.errors import EngineSpecError
+from engines.placement import Placement
 
 BACKENDS = ("auto", "vllm", "hf")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
-# Engine arguments `create_vllm_engines` sets from its own parameters: passing
-# one in **engine_kwargs as well would be ambiguous.
+# Engine arguments the spec sets from its own fields (named as
+# `create_vllm_engines`' parameters): one in engine_kwargs as well would be ambiguous.
 RESERVED_ENGINE_KWARGS = {
     "model": "pretrain",
     "max_model_len": "max_len",
@@ -42,87 +45,84 @@ HF_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
-@dataclass(frozen=True)
-class OpenRLHFKeywords:
-    """OpenRLHF's names, beside the seed's (defaults: OpenRLHF's)."""
+class EngineSetSpec(EngineSettings):
+    """An engine set: `num_engines` engines, each with these settings; engine
+    i is the named actor `<name_prefix>-<i>` in `namespace` and samples with
+    seed `seed + i`. Without `name_prefix` each set gets a prefix of its own.
 
-    max_model_len: int | None = None
-    full_determinism: bool = False
-    vllm_enable_sleep: bool = False
-    logprobs_mode: str | None = None
-    agent_func_path: str | None = None
-    remote_rm_url: Any = None
-    max_images_per_prompt: int = 0
+    `spare_engines`: that many more engines on bundles reserved beside the
+    set's, put to sleep once up (`engines.spares`). `sleep` (OpenRLHF's
+    `vllm_enable_sleep`): the engines start in sleep mode and are put to
+    sleep once up. `placement`: where the set goes (`Placement`)."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True)  # Placement holds a Ray group
 
-def check_unsupported(openrlhf: OpenRLHFKeywords) -> None:
-    """OpenRLHF features the engines do not have: a clear error, not a
-    silently different run."""
-    if openrlhf.agent_func_path is not None:
-        raise EngineSpecError(
-            f"agent_func_path={openrlhf.agent_func_path!r} is not supported: our engines run no "
-            "agent executor inside the actor; run the executor in your own process against "
-            "`engine.generate` (see the README's OpenRLHF section)"
-        )
-    if openrlhf.remote_rm_url is not None:
-        raise EngineSpecError(
-            f"remote_rm_url={openrlhf.remote_rm_url!r} is not supported: engines compute no "
-            "rewards; score the outputs in your trainer"
-        )
-    if openrlhf.max_images_per_prompt:
-        raise EngineSpecError(
-            f"max_images_per_prompt={openrlhf.max_images_per_prompt!r} is not supported: "
-            "the engines take text (token) prompts only"
-        )
+    num_engines: Annotated[int, at_least(1)]
+    seed: int = 42
+    backend: str = "auto"
+    spare_engines: Annotated[int, at_least(0)] = 0
+    sleep: bool = False
+    name_prefix: str | None = None
+    namespace: str | None = None
+    placement: Placement = Placement()
 
+    @field_validator("pretrain", mode="before")
+    @classmethod
+    def _model_exists(cls, pretrain: Any) -> Any:
+        if not isinstance(pretrain, str) or not pretrain:
+            raise EngineSpecError(f"pretrain must be a model path or hub id, got {pretrain!r}")
+        check_pretrain(pretrain)
+        return pretrain
 
-def resolve_max_len(max_len: Any, max_model_len: Any) -> Any:
-    if max_len is None and max_model_len is None:
-        raise EngineSpecError("max_len (OpenRLHF: max_model_len) is required")
-    if max_len is not None and max_model_len is not None and max_len != max_model_len:
-        raise EngineSpecError(
-            f"max_len={max_len!r} and max_model_len={max_model_len!r} name the same limit "
-            "and differ: pass one"
-        )
-    return max_len if max_len is not None else max_model_len
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _known_backend(cls, backend: Any) -> Any:
+        if backend not in BACKENDS:
+            raise EngineSpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        return backend
 
-
-def resolve_engine_kwargs(
-    engine_kwargs: dict[str, Any], openrlhf: OpenRLHFKeywords, backend: str
-) -> dict[str, Any]:
-    """The engine arguments each engine gets: ours plus OpenRLHF's, checked."""
-    kwargs = dict(engine_kwargs)
-    for name, ours in RESERVED_ENGINE_KWARGS.items():
-        if name in kwargs:
-            hint = f"; pass it as create_vllm_engines' {ours}=" if ours else ""
+    @model_validator(mode="after")
+    def _engine_arguments(self) -> EngineSetSpec:
+        kwargs = self.engine_kwargs
+        for name, ours in RESERVED_ENGINE_KWARGS.items():
+            if name in kwargs:
+                hint = f"; pass it as create_vllm_engines' {ours}=" if ours else ""
+                raise EngineSpecError(
+                    f"engine argument {name}={kwargs[name]!r} is set by create_vllm_engines{hint}"
+                )
+        if self.sleep and kwargs.get("enable_sleep_mode") is False:
             raise EngineSpecError(
-                f"engine argument {name}={kwargs[name]!r} is set by create_vllm_engines{hint}"
+                "sleep=True (OpenRLHF: vllm_enable_sleep) and enable_sleep_mode=False "
+                "contradict each other"
             )
-    if openrlhf.vllm_enable_sleep:
-        if kwargs.get("enable_sleep_mode") is False:
+        # Only with arguments to check: the field list imports vLLM's arg_utils,
+        # most of vLLM, in this (driver) process.
+        fields = vllm_engine_fields() if kwargs else frozenset()
+        unknown = sorted(set(kwargs) - fields) if fields else []
+        if unknown:
             raise EngineSpecError(
-                "vllm_enable_sleep=True and enable_sleep_mode=False contradict each other"
+                f"unknown engine arguments {unknown}: vLLM's AsyncEngineArgs has no such field"
             )
-        kwargs["enable_sleep_mode"] = True
-    if openrlhf.logprobs_mode:
-        if kwargs.get("logprobs_mode", openrlhf.logprobs_mode) != openrlhf.logprobs_mode:
-            raise EngineSpecError(
-                f"logprobs_mode={openrlhf.logprobs_mode!r} given twice, differently"
-            )
-        # As OpenRLHF: the sampled token's logprob only.
-        kwargs["logprobs_mode"] = openrlhf.logprobs_mode
-        kwargs.setdefault("max_logprobs", 1)
-    # Only with arguments to check: the field list imports vLLM's arg_utils,
-    # most of vLLM, in this (driver) process.
-    fields = vllm_engine_fields() if kwargs else frozenset()
-    unknown = sorted(set(kwargs) - fields) if fields else []
-    if unknown:
-        raise EngineSpecError(
-            f"unknown engine arguments {unknown}: vLLM's AsyncEngineArgs has no such field"
-        )
-    if backend == "hf":
-        check_hf_kwargs(kwargs)
-    return kwargs
+        return self
+
+    def engine_kwargs_for(self, backend: str) -> dict[str, Any]:
+        """The engine arguments each engine gets on `backend` ("vllm" or "hf")."""
+        kwargs = dict(self.engine_kwargs)
+        if backend == "vllm" and self.spare_engines:
+            # A spare sleeps, so it needs sleep mode; every engine of the set gets
+            # it too: vLLM hashes it into the torch.compile cache key, and one key
+            # lets the set, its spares and their successors share one warm cache.
+            if kwargs.get("enable_sleep_mode") is False:
+                raise EngineSpecError(
+                    "spare_engines needs enable_sleep_mode (spares sleep until needed); "
+                    "leave it unset or True"
+                )
+            kwargs["enable_sleep_mode"] = True
+        if self.sleep:
+            kwargs["enable_sleep_mode"] = True
+        if backend == "hf":
+            check_hf_kwargs(kwargs)
+        return kwargs
 
 
 def check_hf_kwargs(kwargs: dict[str, Any]) -> None:
@@ -195,34 +195,3 @@ def check_pretrain(pretrain: str) -> None:
     looks_like_path = pretrain.startswith(("/", ".", "~")) or not _HUB_ID.match(pretrain)
     if looks_like_path:
         raise EngineSpecError(f"pretrain={pretrain!r} does not exist")
-
-
-def check_spec(
-    num_engines: Any,
-    pretrain: Any,
-    max_len: Any,
-    gpu_memory_utilization: Any,
-    tensor_parallel_size: Any,
-    backend: Any,
-) -> None:
-    def whole(name: str, value: Any, least: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise EngineSpecError(f"{name} must be an integer >= {least}, got {value!r}")
-
-    whole("num_engines", num_engines, 1)
-    whole("tensor_parallel_size", tensor_parallel_size, 1)
-    whole("max_len", max_len, 2)
-    if gpu_memory_utilization is not None and (
-        isinstance(gpu_memory_utilization, bool)
-        or not isinstance(gpu_memory_utilization, int | float)
-        or not 0 < gpu_memory_utilization <= 1
-    ):
-        raise EngineSpecError(
-            f"gpu_memory_utilization must be in (0, 1] or None (vLLM's default), "
-            f"got {gpu_memory_utilization!r}"
-        )
-    if backend not in BACKENDS:
-        raise EngineSpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(pretrain, str) or not pretrain:
-        raise EngineSpecError(f"pretrain must be a model path or hub id, got {pretrain!r}")
-    check_pretrain(pretrain)

@@ -9,7 +9,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from engines import create_vllm_engines, destroy_engines
 from engines.errors import EngineSpecError
-from engines.placement import assign_bundles
+from engines.placement import Placement, PlacementMode, assign_bundles
 
 
 def test_assign_bundles_groups_by_node_not_by_index():
@@ -147,21 +147,56 @@ def test_colocated_engines_and_their_trainer_share_one_gpu(fake_gpu_cluster, tin
 
 
 @pytest.mark.parametrize(
-    ("engines", "tp", "fraction", "shared", "backend", "message"),
+    ("engines", "tp", "fraction", "backend", "message"),
     [
-        (1, 2, 0.3, None, "vllm", "tensor_parallel_size must be 1, got 2"),
-        (2, 1, 0.5, None, "vllm", r"2 engines \(spares included\) x gpu_memory_utilization=0.5"),
-        (1, 1, None, None, "vllm", None),  # vLLM's 0.9 leaves a tenth for the trainer
-        (2, 1, None, None, "vllm", "gpu_memory_utilization=0.9 fill the one GPU"),
-        (4, 1, 0.5, None, "hf", None),  # no GPU memory on CPU
-        (1, 1, 0.3, "a group", "vllm", "drop shared_pg"),
+        (1, 2, 0.3, "vllm", "tensor_parallel_size must be 1, got 2"),
+        (2, 1, 0.5, "vllm", r"2 engines \(spares included\) x gpu_memory_utilization=0.5"),
+        (1, 1, None, "vllm", None),  # vLLM's 0.9 leaves a tenth for the trainer
+        (2, 1, None, "vllm", "gpu_memory_utilization=0.9 fill the one GPU"),
+        (4, 1, 0.5, "hf", None),  # no GPU memory on CPU
     ],
 )
-def test_colocation_limits(engines, tp, fraction, shared, backend, message):
-    from engines.vllm_engine import check_colocation
-
+def test_colocation_limits(engines, tp, fraction, backend, message):
+    placement = Placement(PlacementMode.WITH_TRAINER)
     if message is None:
-        check_colocation(engines, tp, fraction, shared, backend)
+        placement.check(engines, tp, fraction, backend)
         return
     with pytest.raises(EngineSpecError, match=message):
-        check_colocation(engines, tp, fraction, shared, backend)
+        placement.check(engines, tp, fraction, backend)
+
+
+def test_other_modes_have_no_colocation_limits():
+    for placement in (Placement(), Placement(PlacementMode.SHARED_GROUP, "a group")):
+        placement.check(4, 2, 0.9, "vllm")
+
+
+@pytest.mark.parametrize(
+    ("shared_pg", "colocate_trainer", "mode"),
+    [
+        (None, False, PlacementMode.OWN_BUNDLES),
+        ("a group", False, PlacementMode.SHARED_GROUP),
+        (None, True, PlacementMode.WITH_TRAINER),
+    ],
+)
+def test_the_flags_name_one_mode(shared_pg, colocate_trainer, mode):
+    placement = Placement.of(shared_pg, colocate_trainer)
+    assert placement.mode is mode and placement.group == shared_pg
+
+
+def test_a_shared_group_with_the_trainer_is_refused():
+    with pytest.raises(EngineSpecError, match="drop shared_pg"):
+        Placement.of("a group", colocate_trainer=True)
+
+
+@pytest.mark.parametrize(
+    ("mode", "group", "message"),
+    [
+        (PlacementMode.SHARED_GROUP, None, "'shared group' takes a placement group .* got None"),
+        (PlacementMode.OWN_BUNDLES, "a group", "'own bundles' takes a placement group"),
+        (PlacementMode.WITH_TRAINER, "a group", "'with trainer' takes a placement group"),
+        ("colocated", None, "placement mode must be a PlacementMode, got 'colocated'"),
+    ],
+)
+def test_a_mode_and_its_group_go_together(mode, group, message):
+    with pytest.raises(EngineSpecError, match=message):
+        Placement(mode, group)

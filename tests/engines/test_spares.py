@@ -1,4 +1,4 @@
-"""Warm spares (engines/vllm_engine.py: `spare_engines`, `start_spare`,
+"""Warm spares (engines/spares.py: `spare_engines`, `start_spare`,
 `swap_in_spare`): reserved on the set's placement group, asleep once up,
 woken in a dead engine's place, replaced by a new spare on the dead engine's
 bundle, and removed with the set."""
@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 import ray
 
-from engines import EngineSleepingError, EngineSpecError, SamplingParams
-from engines.client import get
-from engines.naming import placement_group_name
-from engines.vllm_engine import (
+from engines import (
+    EngineSleepingError,
+    EngineSpecError,
+    SamplingParams,
     create_vllm_engines,
     destroy_engines,
-    existing_engine_names,
     swap_in_spare,
 )
+from engines.client import get
+from engines.lifecycle import existing_engine_names
+from engines.naming import placement_group_name
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 

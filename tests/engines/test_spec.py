@@ -1,4 +1,7 @@
-"""engines/spec.py: reading vLLM's engine-argument fields without importing vLLM."""
+"""engines/spec.py: the engine-set spec's checks (each bad value named, before
+anything exists), and reading vLLM's engine-argument fields without importing
+vLLM. `test_bad_input.py` drives the same checks through `create_vllm_engines`
+on a real Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import textwrap
 
 import pytest
 
-from engines import spec
+from engines import EngineSetSpec, EngineSpecError, Placement, PlacementMode, spec
+from engines.config import EngineConfig, EngineSettings
 
 ARG_UTILS = textwrap.dedent(
     """
@@ -66,3 +70,114 @@ def test_a_source_of_another_shape_falls_back_to_the_import(fake_vllm):
     (fake_vllm / "engine" / "arg_utils.py").write_text("ENGINE_ARGS = {}\n")
     with pytest.raises(RuntimeError, match="vllm was imported"):
         spec.vllm_engine_fields()
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> str:
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+@pytest.fixture
+def no_vllm_fields(monkeypatch):
+    """vLLM's field list as CI has it: none (no vLLM), so engine arguments
+    are not checked against it."""
+    monkeypatch.setattr(spec, "vllm_engine_fields", frozenset)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_engines": 0}, "num_engines must be an integer >= 1, got 0"),
+        ({"num_engines": True}, "num_engines must be an integer >= 1, got True"),
+        ({"num_engines": "2"}, "num_engines must be an integer >= 1, got '2'"),
+        ({"max_len": 1}, "max_len must be an integer >= 2, got 1"),
+        ({"max_len": 128.0}, "max_len must be an integer >= 2, got 128.0"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+        ({"spare_engines": -1}, "spare_engines must be an integer >= 0, got -1"),
+        (
+            {"gpu_memory_utilization": 1.5},
+            r"gpu_memory_utilization must be in \(0, 1\] or None \(vLLM's default\), got 1.5",
+        ),
+        ({"gpu_memory_utilization": True}, "gpu_memory_utilization must be in .* got True"),
+        ({"backend": "tpu"}, r"backend must be one of \('auto', 'vllm', 'hf'\), got 'tpu'"),
+        ({"pretrain": ""}, "pretrain must be a model path or hub id, got ''"),
+        ({"pretrain": "/nonexistent/model"}, "pretrain='/nonexistent/model' does not exist"),
+        ({"seed": "seven"}, "seed='seven': Input should be a valid integer"),
+        ({"name_prefx": "x"}, "name_prefx='x': Extra inputs are not permitted"),
+        ({"placement": "colocated"}, "placement='colocated': Input should be"),
+        ({"engine_kwargs": {"seed": 3}}, "engine argument seed=3 is set by create_vllm_engines"),
+        (
+            {"sleep": True, "engine_kwargs": {"enable_sleep_mode": False}},
+            "sleep=True .* and enable_sleep_mode=False contradict each other",
+        ),
+    ],
+)
+def test_a_bad_value_is_named(model_dir, no_vllm_fields, change, message):
+    with pytest.raises(EngineSpecError, match=message):
+        EngineSetSpec(**{"pretrain": model_dir, "num_engines": 1, "max_len": 128} | change)
+
+
+def test_a_missing_field_is_named(model_dir):
+    with pytest.raises(EngineSpecError, match="^num_engines is required$"):
+        EngineSetSpec(pretrain=model_dir, max_len=128)
+
+
+def test_the_spec_is_frozen_and_defaults_to_bundles_of_its_own(model_dir):
+    made = EngineSetSpec(pretrain=model_dir, num_engines=2, max_len=128)
+    assert made.placement == Placement() and made.placement.mode is PlacementMode.OWN_BUNDLES
+    assert (made.backend, made.seed, made.spare_engines, made.sleep) == ("auto", 42, 0, False)
+    with pytest.raises(Exception, match="frozen"):
+        made.num_engines = 3
+
+
+def test_every_engine_setting_reaches_the_engines_config(model_dir, no_vllm_fields):
+    made = EngineSetSpec(
+        pretrain=model_dir,
+        num_engines=2,
+        max_len=128,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        enable_prefix_caching=True,
+        full_determinism=True,
+        engine_kwargs={"enforce_eager": True},
+    )
+    config = EngineConfig(**made.settings(), name="e-0", seed=1, rpc_timeout_s=5.0)
+    assert set(made.settings()) == set(EngineSettings.model_fields)
+    for name in EngineSettings.model_fields:
+        assert getattr(config, name) == getattr(made, name), name
+
+
+@pytest.mark.parametrize(
+    ("change", "backend", "kwargs"),
+    [
+        ({}, "vllm", {}),
+        ({"sleep": True}, "hf", {"enable_sleep_mode": True}),
+        ({"spare_engines": 1}, "vllm", {"enable_sleep_mode": True}),
+        # The CPU backend's spares sleep without it.
+        ({"spare_engines": 1}, "hf", {}),
+        (
+            {"spare_engines": 1, "engine_kwargs": {"enable_sleep_mode": False}},
+            "hf",
+            {"enable_sleep_mode": False},
+        ),
+    ],
+)
+def test_engine_arguments_for_a_backend(model_dir, no_vllm_fields, change, backend, kwargs):
+    made = EngineSetSpec(**{"pretrain": model_dir, "num_engines": 1, "max_len": 128} | change)
+    assert made.engine_kwargs_for(backend) == kwargs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "backend", "message"),
+    [
+        ({"enable_sleep_mode": False}, "vllm", "spare_engines needs enable_sleep_mode"),
+        ({"dtype": "int8"}, "hf", "dtype='int8' is not one of"),
+    ],
+)
+def test_engine_arguments_a_backend_refuses(model_dir, no_vllm_fields, kwargs, backend, message):
+    made = EngineSetSpec(
+        pretrain=model_dir, num_engines=1, max_len=128, spare_engines=1, engine_kwargs=kwargs
+    )
+    with pytest.raises(EngineSpecError, match=message):
+        made.engine_kwargs_for(backend)

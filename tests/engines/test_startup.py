@@ -6,10 +6,10 @@ from __future__ import annotations
 import ray
 
 from engines import create_vllm_engines, destroy_engines, env
+from engines.actors import actor_env
 from engines.config import EngineConfig
 from engines.placement import EnginePlacement
 from engines.startup import Phase, StartupClock, StartupReport
-from engines.vllm_engine import actor_env
 
 
 def test_clock_phases_add_up_to_the_start():

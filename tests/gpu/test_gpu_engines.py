@@ -271,7 +271,7 @@ def test_killed_engine_core_restarts_in_its_actor(ray_gpu, engines, hf_reference
     version 0 (an earlier test synced others into it)."""
     from engines import EngineDeadError
     from engines.client import get
-    from engines.vllm_engine import restart_engine
+    from engines import restart_engine
 
     ray = ray_gpu
     engine = engines[0]

@@ -12,7 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from engines.errors import EngineDeadError, EngineTimeoutError
 from engines.placement import EnginePlacement
-from engines.vllm_engine import EngineSet
+from engines import EngineSet
 from tasks import pool as pool_module
 from tasks.pool import EnginePool
 

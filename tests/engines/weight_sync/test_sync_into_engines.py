@@ -19,10 +19,15 @@ import ray
 import torch
 from test_group import listening_addresses
 
-from engines import RequestError, SamplingParams, create_vllm_engines, destroy_engines
+from engines import (
+    RequestError,
+    SamplingParams,
+    create_vllm_engines,
+    destroy_engines,
+    replace_engine,
+)
 from engines.client import get
 from engines.errors import EngineDeadError
-from engines.vllm_engine import replace_engine
 from engines.weight_sync import (
     BroadcastSender,
     ChecksumMismatchError,

@@ -1,4 +1,6 @@
-"""`create_vllm_engines` on a real local Ray with the tiny model (CPU backend)."""
+"""The engine-set lifecycle (engines/lifecycle.py) on a real local Ray with
+the tiny model (CPU backend): started from a spec or through
+`create_vllm_engines`, restarted, destroyed."""
 
 from __future__ import annotations
 
@@ -7,11 +9,13 @@ import ray
 from faults import end_generation_thread
 
 from engines import (
+    EngineSetSpec,
     RequestOutput,
     SamplingParams,
     batch_vllm_engine_call,
     create_vllm_engines,
     destroy_engines,
+    start_engine_set,
 )
 from engines.naming import placement_group_name
 
@@ -71,6 +75,22 @@ def test_usage_example_generates_tokens(two_engines):
     healths = batch_vllm_engine_call(two_engines, "health")
     assert [h["seed"] for h in healths] == [42, 43]
     assert all(h["alive"] and h["backend"] == "hf" for h in healths)
+
+
+def test_a_spec_starts_its_set(ray_local, tiny_model):
+    spec = EngineSetSpec(
+        pretrain=tiny_model, num_engines=2, max_len=256, seed=3, name_prefix="test-spec"
+    )
+    engines = start_engine_set(spec)
+    try:
+        assert engines.names == ["test-spec-0", "test-spec-1"] and engines.backend == "hf"
+        assert engines.namespace == ray.get_runtime_context().namespace
+        assert [(c.seed, c.bundle_indices) for c in engines.configs] == [(3, [0]), (4, [1])]
+        assert all(c.max_len == 256 and c.pretrain == tiny_model for c in engines.configs)
+        assert ray.get([e.ready.remote() for e in engines], timeout=120) == engines.names
+    finally:
+        destroy_engines(engines)
+    assert live_groups("test-spec") == []
 
 
 def test_same_seed_same_tokens_and_engine_i_uses_seed_plus_i(ray_local, tiny_model, two_engines):
@@ -137,9 +157,9 @@ def test_prompt_too_long_is_per_request(two_engines):
 
 
 def test_engine_that_died_restarts_in_its_actor(ray_local, tiny_model):
+    from engines import restart_engine
     from engines.client import get
     from engines.errors import EngineDeadError
-    from engines.vllm_engine import restart_engine
 
     engines = create_vllm_engines(1, tiny_model, 256, 0.5, name_prefix="test-restart")
     try:
