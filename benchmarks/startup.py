@@ -239,9 +239,8 @@ def child_replace(args) -> dict:
     """A set with a warm spare where the cluster has room for it: the spare's
     swap; the engine restarted in its actor; a new engine on the (now warm)
     compile cache."""
-    from engines import destroy_engines
+    from engines import destroy_engines, replace_engine, restart_engine, swap_in_spare
     from engines.client import get
-    from engines import replace_engine, restart_engine, swap_in_spare
 
     ray = ray_init()
     room = ray.cluster_resources().get("GPU" if args.backend == "vllm" else "CPU", 0)

@@ -269,9 +269,8 @@ def test_killed_engine_core_restarts_in_its_actor(ray_gpu, engines, hf_reference
     GPU fault ends it) under its live actor: the engine is reported dead,
     then started again in the same actor, serving the pretrained weights at
     version 0 (an earlier test synced others into it)."""
-    from engines import EngineDeadError
+    from engines import EngineDeadError, restart_engine
     from engines.client import get
-    from engines import restart_engine
 
     ray = ray_gpu
     engine = engines[0]

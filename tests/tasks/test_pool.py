@@ -10,9 +10,9 @@ import threading
 import pytest
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from engines import EngineSet
 from engines.errors import EngineDeadError, EngineTimeoutError
 from engines.placement import EnginePlacement
-from engines import EngineSet
 from tasks import pool as pool_module
 from tasks.pool import EnginePool
 
