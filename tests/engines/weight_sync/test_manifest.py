@@ -8,7 +8,14 @@ from pydantic import ValidationError
 
 from engines.weight_sync.checksum import checksum, checksums
 from engines.weight_sync.errors import ManifestMismatchError
-from engines.weight_sync.manifest import Manifest, check_manifest, dtype_name, mismatches
+from engines.weight_sync.manifest import Manifest, dtype_name, mismatches, raise_problems
+
+
+def check_manifest(
+    expected: Manifest, got: Manifest, *, engine: str = "engine", allow_partial: bool = False
+) -> None:
+    """Raise ManifestMismatchError naming the first differences."""
+    raise_problems(engine, mismatches(expected, got, allow_partial=allow_partial))
 
 
 def manifest(**shapes) -> Manifest:
