@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from engines.weight_sync.protocol import transports
+from engines.weight_sync.protocol import add_transport_methods
 from engines.weight_sync.session import WeightSync
 
 P = ParamSpec("P")
@@ -65,18 +65,4 @@ class WeightApi:
     abort_weight_sync = delegate(WeightSync.abort_weight_sync)
 
 
-def _add_transport_methods() -> None:
-    """Each registered transport's engine methods, on `WeightApi`; a name
-    taken twice (by the session or another transport) is refused."""
-    owners = {name: "the session" for name in vars(WeightApi) if not name.startswith("_")}
-    for transport in transports():
-        for name, function in transport.engine_methods.items():
-            if name in owners:
-                raise TypeError(f"{transport.name!r} and {owners[name]} both register {name!r}")
-            owners[name] = repr(transport.name)
-            method = delegate(function)
-            method.__name__ = method.__qualname__ = name
-            setattr(WeightApi, name, method)
-
-
-_add_transport_methods()
+add_transport_methods(WeightApi, "engine_methods", delegate)

@@ -2,8 +2,7 @@
 `worker_extension_cls` points here, and the CPU backend's worker subclasses
 it. Engines call its methods through `collective_rpc`; each routes to the
 worker's `WorkerWeights` (`engines/weight_sync/worker.py`, what every
-transport shares: written on the class below) or to the transport that
-registered the name (added from the registry).
+transport shares) or to the transport that registered the name.
 
 Contract: the host class provides `self.model_runner.get_model()` (vLLM) or
 overrides `_model()`; `self.device`; `self.rank` (tensor-parallel rank); on
@@ -18,8 +17,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from engines.weight_sync.protocol import transports
-from engines.weight_sync.worker import WorkerWeights
+from engines.weight_sync.protocol import add_transport_methods
+from engines.weight_sync.worker import CORE_WORKER_METHODS, WorkerWeights
 
 
 def routed(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,29 +45,7 @@ class WeightSyncWorkerExtension:
             self._weight_sync_state = WorkerWeights(self)
         return self._weight_sync_state
 
-    # What every transport shares (worker.py)
-    weight_manifest = routed(WorkerWeights.weight_manifest)
-    weight_manifest_problems = routed(WorkerWeights.weight_manifest_problems)
-    copy_plan_status = routed(WorkerWeights.copy_plan_status)
-    prepare_weight_sync = routed(WorkerWeights.prepare_weight_sync)
-    end_weight_sync = routed(WorkerWeights.end_weight_sync)
-    weight_checksums = routed(WorkerWeights.weight_checksums)
-    read_weights = routed(WorkerWeights.read_weights)
-    init_process_group = routed(WorkerWeights.init_process_group)
-    destroy_weight_group = routed(WorkerWeights.destroy_weight_group)
-    has_weight_group = routed(WorkerWeights.has_weight_group)
-    node_address = routed(WorkerWeights.node_address)
 
-
-def _add_transport_methods() -> None:
-    """Each registered transport's worker methods; a name taken twice is refused."""
-    owners = {n: "the worker" for n in vars(WeightSyncWorkerExtension) if not n.startswith("_")}
-    for transport in transports():
-        for name, function in transport.worker_methods.items():
-            if name in owners:
-                raise TypeError(f"{transport.name!r} and {owners[name]} both register {name!r}")
-            owners[name] = repr(transport.name)
-            setattr(WeightSyncWorkerExtension, name, routed(function))
-
-
-_add_transport_methods()
+for _name in CORE_WORKER_METHODS:
+    setattr(WeightSyncWorkerExtension, _name, routed(getattr(WorkerWeights, _name)))
+add_transport_methods(WeightSyncWorkerExtension, "worker_methods", routed)

@@ -245,6 +245,21 @@ def transports() -> list[Transport]:
     ]
 
 
+def add_transport_methods(cls: type, side: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Add every registered transport's `side` methods ("engine_methods" or
+    "worker_methods") to `cls`, each made by `wrap` and named as registered.
+    A name registered twice, or one `cls` writes itself, is refused."""
+    owners = {name: "the class" for name in vars(cls) if not name.startswith("_")}
+    for transport in transports():
+        for name, function in getattr(transport, side).items():
+            if name in owners:
+                raise TypeError(f"{transport.name!r} and {owners[name]} both register {name!r}")
+            owners[name] = repr(transport.name)
+            method = wrap(function)
+            method.__name__ = method.__qualname__ = name
+            setattr(cls, name, method)
+
+
 def trainer_transports() -> tuple[str, ...]:
     """The transports a trainer of ours can sync with (those with a sender)."""
     return tuple(t.name for t in transports() if t.new_sender is not None)

@@ -330,3 +330,19 @@ class WorkerWeights:
         weight = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
         self.live_group().broadcast(weight, src=0)
         return weight, self.problems_of([spec])
+
+
+#: Worker methods every engine reaches through `collective_rpc`.
+CORE_WORKER_METHODS = (
+    "weight_manifest",
+    "weight_manifest_problems",
+    "copy_plan_status",
+    "prepare_weight_sync",
+    "end_weight_sync",
+    "weight_checksums",
+    "read_weights",
+    "init_process_group",
+    "destroy_weight_group",
+    "has_weight_group",
+    "node_address",
+)
