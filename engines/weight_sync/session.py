@@ -1,6 +1,7 @@
 """The engine actor's side of weight sync: `WeightSync`, composed by the
 engine actor (`RolloutEngine.weights`), with the two-phase session every
-transport runs inside.
+transport runs inside (on top of `EngineWeights`, what holds between syncs;
+one open sync's state and watchdog are `open_sync.OpenSync`).
 
 A sync is a session: `begin_weight_sync` (check the manifest, then pause
 generation and optionally back the weights up) -> one or more receives (the

@@ -28,7 +28,9 @@ def test_the_transport_follows_placement():
 
 
 def test_each_trainer_transport_has_its_sender_in_the_registry():
-    assert trainer_transports() == ("broadcast", "cuda_ipc", "checkpoint")
+    # OpenRLHF's and vLLM's trainers bring their own trainer side.
+    assert {"broadcast", "cuda_ipc", "checkpoint"} <= set(trainer_transports())
+    assert not {"openrlhf", "vllm_native"} & set(trainer_transports())
     assert isinstance(new_sender("broadcast", options()), BroadcastSender)
     assert isinstance(new_sender("cuda_ipc", options()), CudaIpcSender)
     sender = new_sender("checkpoint", options(checkpoint_dir="/ckpt"))
