@@ -7,8 +7,8 @@ safetensors metadata. `read_manifest` reads only the headers.
 
 Trainer: `CheckpointSender` (`save`, then `sync_from_checkpoint(engines,
 path)`: two-phase; begin rides on the load call, and a single engine without
-`verify` commits in it too). Engine actor: `load_weights_from_path`, `load_checkpoint` (one engine,
-by itself). Worker: `load_weights_from_path`.
+`verify` commits in it too). Engine actor: `load_weights_from_path`,
+`load_checkpoint` (one engine, by itself). Worker: `load_weights_from_path`.
 """
 
 from __future__ import annotations
