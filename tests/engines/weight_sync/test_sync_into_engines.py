@@ -322,6 +322,24 @@ def test_checkpoint_transport(setup, tmp_path):
     assert [h["weight_version"] for h in health(engines)] == [version] * 2
 
 
+def test_the_policy_syncs_through_a_checkpoint_directory(setup, tmp_path):
+    """The trainer's checkpoint transport (`CheckpointSender`, no special case
+    in the trainer): each sync writes v<version> under the directory and the
+    engines load it, verified."""
+    engines, policy = setup
+    options = dict(transport="checkpoint", checkpoint_dir=str(tmp_path))
+    info = get(policy.init_weight_sync.remote(engines, **options), 60)
+    try:
+        assert info == {"transport": "checkpoint", "engines": 2}
+        version = get(policy.perturb.remote(0.01, 6), 30)
+        report = get(policy.sync_weights.remote(), 60)
+        assert (report.transport, report.version, report.verified) == ("checkpoint", version, True)
+        assert (tmp_path / f"v{version:06d}" / "model.safetensors").is_file()
+        assert_weights(engines, policy_weights(policy))
+    finally:
+        get(policy.init_weight_sync.remote(engines), 60)  # back to the broadcast
+
+
 def test_one_engine_with_nothing_to_verify_syncs_in_one_call(setup, tmp_path):
     engines, policy = setup
     version = get(policy.perturb.remote(0.01, 5), 30)
