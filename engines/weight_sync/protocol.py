@@ -18,7 +18,7 @@ Answers from a worker cross vLLM's msgpack RPC, which takes plain data only:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -106,13 +106,11 @@ class EngineHost(Protocol):
     async def resume_generation(self) -> None: ...
     async def reset_prefix_cache(self) -> bool: ...
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]: ...
+
+    #: `RolloutEngine.collective_rpc(method, args=(), kwargs=None,
+    #: timeout_s=None)`, results in rank order; its signature is written
+    #: there once (and in each backend), not restated here.
+    collective_rpc: Callable[..., Awaitable[list[Any]]]
 
 
 @dataclass(frozen=True)
