@@ -24,7 +24,7 @@ from engines.errors import (
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.startup import StartupClock, StartupReport
-from engines.weight_api import with_weight_methods
+from engines.weight_api import WeightApi
 from engines.weight_sync.session import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -116,9 +116,9 @@ def _token_ids(prompt: Any, i: int) -> list[int]:
     return list(prompt)
 
 
-@with_weight_methods
-class RolloutEngine(abc.ABC):
-    """One rollout engine (all its tensor-parallel workers)."""
+class RolloutEngine(WeightApi, abc.ABC):
+    """One rollout engine (all its tensor-parallel workers); its weight-sync
+    methods are `WeightApi`'s."""
 
     backend: str = ""
     #: A `restart` in progress, or done (its outcome); `ready` waits for it.
@@ -134,7 +134,7 @@ class RolloutEngine(abc.ABC):
         self.stale = False
         # Tags still asleep after `sleep`; the engine serves only when empty.
         self._asleep: set[str] = set()
-        self.weights = WeightSync(self)  # weight sync; its methods delegate to it
+        self.weights = WeightSync(self)  # weight sync; WeightApi's methods delegate to it
         self._admission = Admission(
             freeze=self._freeze,
             thaw=self._thaw,

@@ -17,11 +17,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from engines.weight_sync.protocol import transports
+from engines.weight_sync.protocol import add_transport_methods
 from engines.weight_sync.worker import CORE_WORKER_METHODS, WorkerWeights
 
 
-def _routed(function: Callable[..., Any]) -> Callable[..., Any]:
+def routed(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker method that calls `function(self's WorkerWeights, ...)`."""
+
     @functools.wraps(function)
     def method(self, *args: Any, **kwargs: Any) -> Any:
         return function(self._weight_worker(), *args, **kwargs)
@@ -44,16 +46,6 @@ class WeightSyncWorkerExtension:
         return self._weight_sync_state
 
 
-def _install() -> None:
-    names: dict[str, str] = {name: "core" for name in CORE_WORKER_METHODS}
-    for name in CORE_WORKER_METHODS:
-        setattr(WeightSyncWorkerExtension, name, _routed(getattr(WorkerWeights, name)))
-    for transport in transports():
-        for name, function in transport.worker_methods.items():
-            if name in names:
-                raise TypeError(f"{transport.name!r} and {names[name]!r} both register {name!r}")
-            names[name] = transport.name
-            setattr(WeightSyncWorkerExtension, name, _routed(function))
-
-
-_install()
+for _name in CORE_WORKER_METHODS:
+    setattr(WeightSyncWorkerExtension, _name, routed(getattr(WorkerWeights, _name)))
+add_transport_methods(WeightSyncWorkerExtension, "worker_methods", routed)

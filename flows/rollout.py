@@ -21,6 +21,7 @@ from prefect.futures import PrefectConcurrentFuture
 from prefect.runtime import flow_run
 
 from engines.errors import EngineFailure
+from engines.weight_sync import SyncReport, transport_for
 from engines.weight_sync.errors import WeightSyncError
 from flows.hooks import sweep_engines
 from flows.params import RolloutParams
@@ -256,7 +257,7 @@ class Ledger:
     reports: dict[int, IterationReport] = field(default_factory=dict)
     steps: dict[int, StepReport] = field(default_factory=dict)
     #: Sync reports by the iteration whose step made the version they published.
-    syncs: dict[int, dict] = field(default_factory=dict)
+    syncs: dict[int, SyncReport] = field(default_factory=dict)
 
     def close_iterations(self, pipeline: Pipeline) -> None:
         """Add the rows of every iteration now complete (generated, and on an
@@ -352,8 +353,8 @@ def run_iterations(
                 logger.warning("sync of iteration %d's version failed (%s); retried later", i, exc)
             else:
                 link.handle = policy
-                pipeline.sync_done(synced["version"], now)
-                ledger.syncs[synced["version"] - 1] = synced
+                pipeline.sync_done(synced.version, now)
+                ledger.syncs[synced.version - 1] = synced
         ledger.close_iterations(pipeline)
 
 
@@ -409,7 +410,7 @@ def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConf
         micro_batch_tokens=params.micro_batch_tokens,
         seed=params.seed,
         device="cuda" if on_gpu else "cpu",
-        transport="cuda_ipc" if on_gpu and params.colocate else "broadcast",
+        transport=transport_for(colocated=params.colocate, device="cuda" if on_gpu else "cpu"),
         sync_backend="nccl" if on_gpu else "gloo",
         max_staleness=params.staleness_bound,
     )

@@ -105,7 +105,7 @@ def generate_rollouts(
         if replaced and policy is not None and policy.handle is not None:
             sync = policy.handle.sync_weights.remote(list(pool.engines), reconnect=True)
             report = get(sync, plan.ready_timeout_s)
-            logger.info("replacement engine synced to weight version %d", report["version"])
+            logger.info("replacement engine synced to weight version %d", report.version)
 
     store = ShardStore(plan.directory, plan.output_format, prompts.columns)
     store.remove_partial_files()

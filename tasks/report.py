@@ -8,9 +8,10 @@ import base64
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engines.weight_sync import SyncReport
     from tasks.generate import IterationReport
     from training.trainer import StepReport
 
@@ -42,7 +43,7 @@ class IterationMetrics:
         cls,
         report: IterationReport,
         step: StepReport | None = None,
-        synced: dict[str, Any] | None = None,
+        synced: SyncReport | None = None,
     ) -> IterationMetrics:
         """From the generate task's report and, on an on-policy run, the
         policy step and the weight sync (`seconds`) that published its version."""
@@ -55,7 +56,7 @@ class IterationMetrics:
             tokens_per_s=tokens / seconds if rows and seconds > 0 else None,
             reward_mean=step.mean_reward if step else None,
             reward_std=step.reward_std if step else None,
-            sync_seconds=synced["seconds"] if synced else None,
+            sync_seconds=synced.seconds if synced else None,
             staleness_max=step.staleness_max if step else None,
             logprob_mismatch=step.logprob_mismatch if step else None,
         )
@@ -101,7 +102,7 @@ class TrainingRow:
         cls,
         report: IterationReport,
         step: StepReport,
-        synced: dict[str, Any] | None,
+        synced: SyncReport | None,
         *,
         engine_idle_s: float,
         policy_idle_s: float,
@@ -121,10 +122,10 @@ class TrainingRow:
             logprob_mismatch=(
                 None if step.logprob_mismatch is None else round(step.logprob_mismatch, 5)
             ),
-            sync_seconds=round(synced["seconds"], 4) if synced else None,
-            weight_version=synced["version"] if synced else None,
-            sync_bytes=synced["bytes"] if synced else None,
-            sync_gb_per_s=round(synced["gb_per_s"], 3) if synced else None,
+            sync_seconds=round(synced.seconds, 4) if synced else None,
+            weight_version=synced.version if synced else None,
+            sync_bytes=synced.bytes if synced else None,
+            sync_gb_per_s=round(synced.gb_per_s, 3) if synced else None,
         )
 
 

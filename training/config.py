@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class PolicyConfig(BaseModel):
@@ -39,7 +39,11 @@ class PolicyConfig(BaseModel):
         "dtype, which engines load by default (training itself stays in float32).",
     )
     # Weight sync
-    transport: Literal["broadcast", "cuda_ipc", "checkpoint"] = "broadcast"
+    transport: str = Field(
+        "broadcast",
+        description="A transport with a trainer side, by its registered name "
+        "(`engines.weight_sync.protocol.transport_for` picks it from placement).",
+    )
     sync_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_bytes: int = Field(1 << 30, ge=1024)
     sync_timeout_s: float = Field(60.0, gt=0.0)
@@ -48,3 +52,13 @@ class PolicyConfig(BaseModel):
     checkpoint_dir: str | None = Field(
         None, description="Where the checkpoint transport writes (shared with the engines)."
     )
+
+    @field_validator("transport")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        # The registry, not a list kept here: a transport is one module.
+        from engines.weight_sync.protocol import trainer_transports
+
+        if value not in trainer_transports():
+            raise ValueError(f"transport must be one of {trainer_transports()}, got {value!r}")
+        return value

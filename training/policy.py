@@ -188,31 +188,6 @@ class ReferencePolicy(Trainer):
                 f"(max_staleness={self.config.max_staleness}): sync the engines before generating"
             )
 
-    # --- inspection ------------------------------------------------------------------------
-    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprob of tokens 1..n-1 of each sequence (the engines' prompt_logprobs)."""
-        import torch
-
-        with torch.no_grad():
-            return [t.tolist() for t in token_logprobs(self.model, sequences, self.pad_id)]
-
-    def read_weights(self, names: list[str]) -> dict[str, Any]:
-        params = dict(self.model.named_parameters())
-        return {n: params[n].detach().to("cpu", copy=True) for n in names}
-
-    def perturb(self, scale: float, seed: int = 0) -> int:
-        """Add seeded noise to every weight and bump the version: a cheap way to
-        give the engines something new to sync (tests, benchmarks)."""
-        import torch
-
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        with torch.no_grad():
-            for _, p in self.model.named_parameters():
-                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
-                p.add_(noise.to(p.device) * scale)
-        self.weight_version += 1
-        return self.weight_version
-
     def health(self) -> dict[str, Any]:
         return {
             "weight_version": self.weight_version,
@@ -230,11 +205,12 @@ def create_policy_actor(
     num_cpus: float = 1,
     num_gpus: float = 0,
     scheduling_strategy: Any = None,
+    policy_class: type[ReferencePolicy] = ReferencePolicy,
 ):
-    """Start `ReferencePolicy` as a Ray actor (loads the model in the background;
-    `ray.get(actor.health.remote())` waits for it). `scheduling_strategy`:
-    e.g. a bundle of the engines' placement group, to share their GPU
-    (`EnginePlacement.trainer_options`)."""
+    """Start `policy_class` (`ReferencePolicy`, or a subclass) as a Ray actor
+    (loads the model in the background; `ray.get(actor.health.remote())`
+    waits for it). `scheduling_strategy`: e.g. a bundle of the engines'
+    placement group, to share their GPU (`EnginePlacement.trainer_options`)."""
     import ray
 
     config = PolicyConfig.model_validate(config)
@@ -249,4 +225,4 @@ def create_policy_actor(
         options["scheduling_strategy"] = scheduling_strategy
     if name is not None:
         options.update(name=name, namespace=namespace)
-    return ray.remote(ReferencePolicy).options(**options).remote(config.model_dump())
+    return ray.remote(policy_class).options(**options).remote(config.model_dump())

@@ -4,30 +4,23 @@ in by subclassing `Trainer` (and running it as a Ray actor).
 Lifecycle, as for the engines' weight transfer: init (constructor: load the
 model) -> start (`init_weight_sync(engines)`) -> update (`train_step` and
 `sync_weights`, per iteration) -> finish (`close`). Weight sync is provided
-here on top of `named_weights()`, with the transport the config picks.
+here on top of `named_weights()`, through the sender of the transport named
+(`engines.weight_sync.protocol.transport_for` picks it from placement).
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from engines.weight_sync import (
-    BroadcastSender,
-    CudaIpcSender,
-    SyncConfig,
-    sync_from_checkpoint,
-)
+from engines.weight_sync import SyncConfig, SyncReport
 from engines.weight_sync import checkpoint as ckpt
 from engines.weight_sync.coordinator import as_engine_list
-from engines.weight_sync.protocol import WeightSender
+from engines.weight_sync.protocol import SenderOptions, WeightSender, new_sender
 
 logger = logging.getLogger(__name__)
-
-TRANSPORTS = ("broadcast", "cuda_ipc", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -90,12 +83,15 @@ class Trainer(abc.ABC):
         sync_config: dict[str, Any] | None = None,
         checkpoint_dir: str | None = None,
     ) -> dict[str, Any]:
-        """Connect to the engines (for "broadcast": build the process group)."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if transport == "checkpoint" and not checkpoint_dir:
-            raise ValueError("transport 'checkpoint' needs checkpoint_dir")
-        config = SyncConfig(**(sync_config or {}))
+        """Connect to the engines through `transport`'s sender (for
+        "broadcast": build the process group)."""
+        options = SenderOptions(
+            SyncConfig(**(sync_config or {})),
+            weights_device=self.device_of_weights,
+            backend=backend,
+            checkpoint_dir=checkpoint_dir,
+        )
+        sender = new_sender(transport, options)
         self.close()
         self._init_kwargs = dict(
             transport=transport,
@@ -105,25 +101,16 @@ class Trainer(abc.ABC):
         )
         self._synced_version = None
         self._engines = as_engine_list(engines)
-        self._transport = transport
-        self._sync_config = config
-        self._checkpoint_dir = checkpoint_dir
-        info: dict[str, Any] = {"transport": transport, "engines": len(self._engines)}
-        if transport == "broadcast":
-            self._sender = BroadcastSender(config, backend=backend, device=self.device_of_weights())
-            group = self._sender.init(self._engines)
-            info.update(world_size=group.world_size, backend=group.backend)
-        elif transport == "cuda_ipc":
-            self._sender = CudaIpcSender(config)
-            self._sender.init(self._engines)
-        return info
+        self._sender = sender
+        sender.init(self._engines)
+        return {"transport": transport, "engines": len(self._engines), **sender.summary()}
 
     def device_of_weights(self) -> Any:
         return self.named_weights()[0][1].device
 
     def sync_weights(
         self, engines: list[Any] | None = None, *, reconnect: bool = False
-    ) -> dict[str, Any]:
+    ) -> SyncReport:
         """Publish `weight_version` to the engines; a no-op (reported as
         skipped) when they already have it. Pass the current `engines` when
         some may have been replaced: a changed set is reconnected and synced
@@ -137,22 +124,9 @@ class Trainer(abc.ABC):
             self.init_weight_sync(engines or self._engines, **self._init_kwargs)
         version = self.weight_version
         if version == self._synced_version:
-            return {
-                "version": version,
-                "skipped": True,
-                "bytes": 0,
-                "seconds": 0.0,
-                "gb_per_s": 0.0,
-            }
-        if self._transport == "checkpoint":
-            path = os.path.join(self._checkpoint_dir, f"v{version:06d}")
-            ckpt.save(self.named_weights(), path, version=version)
-            report = sync_from_checkpoint(self._engines, path, version, self._sync_config)
-        else:
-            report = self._sender.sync(self.named_weights(), version)
+            return SyncReport(version, self._sender.transport, len(self._engines), skipped=True)
+        report = self._sender.sync(self.named_weights(), version)
         self._synced_version = version
-        result = report.as_dict()
-        result["skipped"] = False
         logger.info(
             "synced weight version %d: %d bytes in %.3fs (%.3f GB/s)",
             version,
@@ -160,7 +134,7 @@ class Trainer(abc.ABC):
             report.seconds,
             report.gb_per_s,
         )
-        return result
+        return report
 
     def save_checkpoint(self, path: str) -> str:
         """Write the weights as a safetensors checkpoint (HF layout)."""

@@ -11,9 +11,8 @@ Nothing here imports vLLM or CUDA at module level.
 """
 
 from engines.weight_sync.broadcast import BroadcastSender
-from engines.weight_sync.checkpoint import sync_from_checkpoint
+from engines.weight_sync.checkpoint import CheckpointSender, sync_from_checkpoint
 from engines.weight_sync.config import GroupInfo, SyncConfig
-from engines.weight_sync.coordinator import SyncReport
 from engines.weight_sync.cuda_ipc import CudaIpcSender
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
@@ -23,9 +22,11 @@ from engines.weight_sync.errors import (
     WeightVersionError,
 )
 from engines.weight_sync.manifest import Manifest, ParamSpec
+from engines.weight_sync.protocol import SyncReport, transport_for
 
 __all__ = [
     "BroadcastSender",
+    "CheckpointSender",
     "ChecksumMismatchError",
     "CudaIpcSender",
     "GroupInfo",
@@ -38,4 +39,5 @@ __all__ = [
     "WeightTransferError",
     "WeightVersionError",
     "sync_from_checkpoint",
+    "transport_for",
 ]

@@ -32,15 +32,21 @@ from engines.weight_sync.coordinator import (
     Coordinator,
     ManifestCache,
     Phases,
-    SyncReport,
     Weights,
     as_engine_list,
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError
-from engines.weight_sync.group import WeightGroup, listen
+from engines.weight_sync.group import WeightGroup, listen, rendezvous_address
 from engines.weight_sync.manifest import Manifest
-from engines.weight_sync.protocol import Begun, Received, Transport, WorkerAnswer
+from engines.weight_sync.protocol import (
+    Begun,
+    Received,
+    SenderOptions,
+    SyncReport,
+    Transport,
+    WorkerAnswer,
+)
 from engines.weight_sync.session import WeightSync, validated
 from engines.weight_sync.worker import WorkerWeights
 
@@ -48,18 +54,6 @@ logger = logging.getLogger(__name__)
 
 
 # --- trainer side --------------------------------------------------------------------------
-def rendezvous_address(worker_nodes: list[list[str]]) -> str:
-    """Where the trainer's rendezvous listens: loopback when every engine
-    worker is on the trainer's node, else the node's cluster address (the
-    one Ray's nodes reach it by)."""
-    import ray
-
-    here = ray.util.get_node_ip_address()
-    if all(node == here for nodes in worker_nodes for node in nodes):
-        return "127.0.0.1"
-    return here
-
-
 class BroadcastSender:
     """Rank 0 of a process group with every engine worker: gloo on CPU, NCCL
     on GPU. Parameters travel in flat buckets of `config.bucket_bytes`, with
@@ -148,6 +142,9 @@ class BroadcastSender:
             info.world_size,
         )
         return info
+
+    def summary(self) -> dict[str, Any]:
+        return {"world_size": self.info.world_size, "backend": self.info.backend}
 
     def close(self) -> None:
         """Tear the group down on both sides (best effort on the engines)."""
@@ -304,16 +301,13 @@ class BroadcastTransfer:
             self.phases.done("verify")
         self.coordinator.finish(self.version)
         self.phases.done("finish")
-        return SyncReport(
+        return self.phases.report(
             self.version,
             self.sender.transport,
             len(self.sender.engines),
-            bytes=self.manifest.nbytes,
-            buckets=len(self.plan.buckets),
-            seconds=self.phases.total,
+            nbytes=self.manifest.nbytes,
             verified=config.verify,
-            phases=self.phases.times,
-            engine_times=self.phases.engine_times,
+            buckets=len(self.plan.buckets),
         )
 
 
@@ -390,8 +384,13 @@ def _receive_buckets(
     return WorkerAnswer(bytes=plan.nbytes, times=times)
 
 
+def new_sender(options: SenderOptions) -> BroadcastSender:
+    return BroadcastSender(options.config, backend=options.backend, device=options.weights_device())
+
+
 TRANSPORT = Transport(
     "broadcast",
     engine_methods={"receive_weight_buckets": receive_weight_buckets},
     worker_methods={"receive_weight_buckets": worker_receive_buckets},
+    new_sender=new_sender,
 )

@@ -5,10 +5,10 @@ trainers outside the cluster, which write a directory the engines can read.
 when larger than `max_shard_bytes`; the weight version travels in the
 safetensors metadata. `read_manifest` reads only the headers.
 
-Trainer: `save`, then `sync_from_checkpoint(engines, path)` (two-phase; begin
-rides on the load call, and a single engine without `verify` commits in it
-too). Engine actor: `load_weights_from_path`, `load_checkpoint` (one engine,
-by itself). Worker: `load_weights_from_path`.
+Trainer: `CheckpointSender` (`save`, then `sync_from_checkpoint(engines,
+path)`: two-phase; begin rides on the load call, and a single engine without
+`verify` commits in it too). Engine actor: `load_weights_from_path`,
+`load_checkpoint` (one engine, by itself). Worker: `load_weights_from_path`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 from engines.weight_sync.checksum import checksums, nbytes_of
 from engines.weight_sync.config import SyncConfig
-from engines.weight_sync.coordinator import Coordinator, Phases, SyncReport
+from engines.weight_sync.coordinator import Coordinator, Phases, as_engine_list
 from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.manifest import Manifest, ParamSpec
-from engines.weight_sync.protocol import Committed, Received, Transport, WorkerAnswer
+from engines.weight_sync.protocol import (
+    Committed,
+    Received,
+    SenderOptions,
+    SyncReport,
+    Transport,
+    WorkerAnswer,
+)
 
 if TYPE_CHECKING:  # both import this module
     from engines.weight_sync.session import WeightSync
@@ -179,16 +186,43 @@ def sync_from_checkpoint(
     if not received[0].committed:
         coordinator.finish(version)
         phases.done("finish")
-    return SyncReport(
-        version,
-        "checkpoint",
-        len(engines),
-        bytes=manifest.nbytes,
-        seconds=phases.total,
-        verified=config.verify,
-        phases=phases.times,
-        engine_times=phases.engine_times,
+    return phases.report(
+        version, "checkpoint", len(engines), nbytes=manifest.nbytes, verified=config.verify
     )
+
+
+class CheckpointSender:
+    """For a trainer that hands its weights over as a directory the engines
+    can read: each sync writes `<directory>/v<version>` (`save`) and the
+    engines load it (`sync_from_checkpoint`)."""
+
+    transport = "checkpoint"
+
+    def __init__(self, config: SyncConfig | None = None, *, directory: str):
+        self.config = config or SyncConfig()
+        self.directory = directory
+        self.engines: list[Any] = []
+
+    def init(self, engines: list[Any]) -> None:
+        # Nothing to connect: the engines read the directory at each sync.
+        self.engines = as_engine_list(engines)
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def sync(self, weights: Iterable[tuple[str, Any]], version: int) -> SyncReport:
+        path = os.path.join(self.directory, f"v{version:06d}")
+        save(weights, path, version=version)
+        return sync_from_checkpoint(self.engines, path, version, self.config)
+
+    def close(self) -> None:
+        self.engines = []
+
+
+def new_sender(options: SenderOptions) -> CheckpointSender:
+    if not options.checkpoint_dir:
+        raise ValueError("transport 'checkpoint' needs checkpoint_dir")
+    return CheckpointSender(options.config, directory=options.checkpoint_dir)
 
 
 # --- engine actor --------------------------------------------------------------------------
@@ -240,4 +274,5 @@ TRANSPORT = Transport(
     },
     worker_methods={"load_weights_from_path": worker_load_path},
     one_call=("load_weights_from_path",),
+    new_sender=new_sender,
 )

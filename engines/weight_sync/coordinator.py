@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from engines.client import EngineCallResult, call_engines, collect, engine_label
@@ -25,7 +24,7 @@ from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.errors import ChecksumMismatchError, WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import Manifest
-from engines.weight_sync.protocol import Begun, OneCall
+from engines.weight_sync.protocol import Begun, OneCall, SyncReport
 
 logger = logging.getLogger(__name__)
 
@@ -56,42 +55,6 @@ class ManifestCache:
         return self._manifest
 
 
-@dataclass
-class SyncReport:
-    """What one sync did: the row a flow's table gets."""
-
-    version: int
-    transport: str
-    engines: int
-    bytes: int = 0
-    buckets: int = 0
-    seconds: float = 0.0
-    verified: bool = False
-    phases: dict[str, float] = field(default_factory=dict)
-    #: Inside the engines, the slowest engine's seconds per step (pause_s,
-    #: prepare_s of begin; wait_s, load_s or open_s, load_s of the transfer):
-    #: where a phase's time went.
-    engine_times: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "transport": self.transport,
-            "engines": self.engines,
-            "bytes": self.bytes,
-            "buckets": self.buckets,
-            "seconds": round(self.seconds, 6),
-            "gb_per_s": round(self.gb_per_s, 6),
-            "verified": self.verified,
-            "phases": {k: round(v, 6) for k, v in self.phases.items()},
-            "engine_times": {k: round(v, 6) for k, v in self.engine_times.items()},
-        }
-
-
 class Phases:
     """Times each phase of a sync."""
 
@@ -117,6 +80,29 @@ class Phases:
     @property
     def total(self) -> float:
         return time.monotonic() - self.started
+
+    def report(
+        self,
+        version: int,
+        transport: str,
+        engines: int,
+        *,
+        nbytes: int,
+        verified: bool,
+        buckets: int = 0,
+    ) -> SyncReport:
+        """The report of the sync these phases timed, now done."""
+        return SyncReport(
+            version,
+            transport,
+            engines,
+            bytes=nbytes,
+            buckets=buckets,
+            seconds=self.total,
+            verified=verified,
+            phases=self.times,
+            engine_times=self.engine_times,
+        )
 
 
 def as_engine_list(engines: Any) -> list[Any]:

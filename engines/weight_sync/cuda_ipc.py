@@ -38,14 +38,19 @@ from engines.weight_sync.coordinator import (
     Coordinator,
     ManifestCache,
     Phases,
-    SyncReport,
     Weights,
     as_engine_list,
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import ParamSpec, dtype_name, torch_dtype
-from engines.weight_sync.protocol import Received, Transport, WorkerAnswer
+from engines.weight_sync.protocol import (
+    Received,
+    SenderOptions,
+    SyncReport,
+    Transport,
+    WorkerAnswer,
+)
 from engines.weight_sync.session import WeightSync
 from engines.weight_sync.worker import WorkerWeights
 
@@ -196,6 +201,9 @@ class CudaIpcSender:
         self.close()
         self.engines = as_engine_list(engines)
 
+    def summary(self) -> dict[str, Any]:
+        return {}
+
     def close(self) -> None:
         if self.engines and self._held is not None:
             for result in call_engines(
@@ -273,15 +281,8 @@ class CudaIpcSender:
         if not received[0].committed:
             coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
             phases.done("finish")
-        return SyncReport(
-            version,
-            self.transport,
-            len(self.engines),
-            bytes=manifest.nbytes,
-            seconds=phases.total,
-            verified=False,
-            phases=phases.times,
-            engine_times=phases.engine_times,
+        return phases.report(
+            version, self.transport, len(self.engines), nbytes=manifest.nbytes, verified=False
         )
 
 
@@ -380,6 +381,10 @@ def worker_release_shared(worker: WorkerWeights) -> None:
     worker.held.pop("cuda_ipc", None)
 
 
+def new_sender(options: SenderOptions) -> CudaIpcSender:
+    return CudaIpcSender(options.config)
+
+
 TRANSPORT = Transport(
     "cuda_ipc",
     engine_methods={
@@ -391,4 +396,5 @@ TRANSPORT = Transport(
         "release_shared_weights": worker_release_shared,
     },
     one_call=("receive_shared_weights",),
+    new_sender=new_sender,
 )

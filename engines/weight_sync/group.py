@@ -63,6 +63,18 @@ def listen(address: str, port: int = 0) -> socket.socket:
     return sock
 
 
+def rendezvous_address(worker_nodes: list[list[str]]) -> str:
+    """Where the trainer's rendezvous listens: loopback when every engine
+    worker is on the trainer's node, else the node's cluster address (the
+    one Ray's nodes reach it by)."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    if all(node == here for nodes in worker_nodes for node in nodes):
+        return "127.0.0.1"
+    return here
+
+
 def rendezvous_store(info: GroupInfo, rank: int, listener: socket.socket | None = None) -> Any:
     """The group's store: rank 0 serves it on `listener` (by default a socket
     bound to `info.master_address:info.master_port`), the others connect.

@@ -182,12 +182,10 @@ def mismatches(expected: Manifest, got: Manifest, *, allow_partial: bool = False
     return problems
 
 
-def check_manifest(
-    expected: Manifest, got: Manifest, *, engine: str = "engine", allow_partial: bool = False
-) -> None:
-    """Raise ManifestMismatchError naming the first differences."""
-    problems = mismatches(expected, got, allow_partial=allow_partial)
+def raise_problems(engine: str, problems: list[str]) -> None:
+    """Raise ManifestMismatchError naming the first of `problems` (the lines
+    of `mismatches`, from one or several workers); nothing when empty."""
     if problems:
-        shown = "; ".join(problems[:5])
+        shown = "; ".join(dict.fromkeys(problems[:5]))
         more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise ManifestMismatchError(f"{engine}: weight manifest mismatch: {shown}{more}")
+        raise ManifestMismatchError(f"engine {engine}: weight manifest mismatch: {shown}{more}")

@@ -22,8 +22,9 @@ from typing import Any
 
 from engines.weight_sync import cuda_ipc
 from engines.weight_sync.manifest import Manifest, ParamSpec, dtype_name
+from engines.weight_sync.open_sync import OpenSync
 from engines.weight_sync.protocol import Transport, WorkerAnswer
-from engines.weight_sync.session import OpenSync, WeightSync
+from engines.weight_sync.session import WeightSync
 from engines.weight_sync.worker import WorkerWeights
 
 

@@ -1,12 +1,14 @@
 """The weight-sync protocol: what an engine needs from its host actor, what
-each step answers (typed), and the registry of transports.
+each step answers (typed), what a sync reports, and the registry of
+transports.
 
 Three places take part in a sync: the trainer (a sender, per transport), the
 engine actor (`session.WeightSync`, composed by `RolloutEngine`) and each
 worker that holds the model (`worker.WorkerWeights`, behind vLLM's worker
 extension or the CPU backend's worker). A transport is one module holding
-its trainer side, its engine-actor methods and its worker methods; it is
-registered by naming its module in `TRANSPORT_MODULES`.
+its trainer side (`new_sender`), its engine-actor methods and its worker
+methods; it is registered by naming its module in `TRANSPORT_MODULES`.
+`transport_for` is the one place a trainer's transport is chosen.
 
 Answers from the engine actor are dataclasses (they cross Ray by pickle).
 Answers from a worker cross vLLM's msgpack RPC, which takes plain data only:
@@ -16,23 +18,81 @@ Answers from a worker cross vLLM's msgpack RPC, which takes plain data only:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from engines.weight_sync.coordinator import SyncReport
+    from engines.weight_sync.config import SyncConfig
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one sync did, carried typed from the trainer up to the flow's
+    table. `skipped`: the engines already served `version` (nothing moved);
+    `iteration`: set by the flow's task, which knows it."""
+
+    version: int
+    transport: str
+    engines: int
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+    #: Inside the engines, the slowest engine's seconds per step (pause_s,
+    #: prepare_s of begin; wait_s, load_s or open_s, load_s of the transfer):
+    #: where a phase's time went.
+    engine_times: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+    iteration: int | None = None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain and rounded, for a benchmark's JSON."""
+        return {
+            "version": self.version,
+            "transport": self.transport,
+            "engines": self.engines,
+            "bytes": self.bytes,
+            "buckets": self.buckets,
+            "seconds": round(self.seconds, 6),
+            "gb_per_s": round(self.gb_per_s, 6),
+            "verified": self.verified,
+            "phases": {k: round(v, 6) for k, v in self.phases.items()},
+            "engine_times": {k: round(v, 6) for k, v in self.engine_times.items()},
+        }
 
 
 class WeightSender(Protocol):
-    """A transport's trainer side (`BroadcastSender`, `CudaIpcSender`):
-    `init(engines)` -> `sync(weights, version)` per iteration -> `close()`."""
+    """A transport's trainer side (`BroadcastSender`, `CudaIpcSender`,
+    `CheckpointSender`): `init(engines)` -> `sync(weights, version)` per
+    iteration -> `close()`."""
 
     transport: str
 
     def init(self, engines: list[Any]) -> Any: ...
     def sync(self, weights: Sequence[tuple[str, Any]], version: int) -> SyncReport: ...
+    def summary(self) -> dict[str, Any]:
+        """What `init` set up, for the trainer's log line."""
+        ...
+
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SenderOptions:
+    """What a trainer tells any transport's sender; each takes what it needs."""
+
+    config: SyncConfig
+    #: The device of the trainer's weights, asked only by a sender that needs
+    #: it (asking makes the trainer's `named_weights()`).
+    weights_device: Callable[[], Any]
+    backend: str = "gloo"  # the collective broadcast's: "gloo" | "nccl"
+    checkpoint_dir: str | None = None
 
 
 class EngineHost(Protocol):
@@ -46,13 +106,11 @@ class EngineHost(Protocol):
     async def resume_generation(self) -> None: ...
     async def reset_prefix_cache(self) -> bool: ...
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]: ...
+
+    #: `RolloutEngine.collective_rpc(method, args=(), kwargs=None,
+    #: timeout_s=None)`, results in rank order; its signature is written
+    #: there once (and in each backend), not restated here.
+    collective_rpc: Callable[..., Awaitable[list[Any]]]
 
 
 @dataclass(frozen=True)
@@ -169,6 +227,9 @@ class Transport:
     #: Engine methods `begin_and_receive` may run: receives whose bytes the
     #: engine pulls itself, so no trainer step has to follow begin.
     one_call: tuple[str, ...] = ()
+    #: The trainer side, for transports whose trainer is ours (OpenRLHF's
+    #: and vLLM's trainers bring their own).
+    new_sender: Callable[[SenderOptions], WeightSender] | None = None
 
 
 #: Modules under engines.weight_sync, each defining `TRANSPORT`.
@@ -180,3 +241,43 @@ def transports() -> list[Transport]:
         importlib.import_module(f"engines.weight_sync.{module}").TRANSPORT
         for module in TRANSPORT_MODULES
     ]
+
+
+def add_transport_methods(cls: type, side: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Add every registered transport's `side` methods ("engine_methods" or
+    "worker_methods") to `cls`, each made by `wrap` and named as registered.
+    A name registered twice, or one `cls` writes itself, is refused."""
+    owners = {name: "the class" for name in vars(cls) if not name.startswith("_")}
+    for transport in transports():
+        for name, function in getattr(transport, side).items():
+            if name in owners:
+                raise TypeError(f"{transport.name!r} and {owners[name]} both register {name!r}")
+            owners[name] = repr(transport.name)
+            method = wrap(function)
+            method.__name__ = method.__qualname__ = name
+            setattr(cls, name, method)
+
+
+def trainer_transports() -> tuple[str, ...]:
+    """The transports a trainer of ours can sync with (those with a sender)."""
+    return tuple(t.name for t in transports() if t.new_sender is not None)
+
+
+def transport_for(*, colocated: bool, device: str, checkpoint_dir: str | None = None) -> str:
+    """The transport from where the trainer sits: a checkpoint directory when
+    one is asked for; CUDA IPC for engines on the trainer's own GPU (one GPU
+    cannot hold two NCCL ranks); otherwise the bucketed broadcast (NCCL
+    between GPUs, gloo on CPU)."""
+    if checkpoint_dir is not None:
+        return "checkpoint"
+    if colocated and device.startswith("cuda"):
+        return "cuda_ipc"
+    return "broadcast"
+
+
+def new_sender(transport: str, options: SenderOptions) -> WeightSender:
+    """The trainer side of `transport`, from the registry."""
+    senders = {t.name: t.new_sender for t in transports() if t.new_sender is not None}
+    if transport not in senders:
+        raise ValueError(f"transport must be one of {tuple(senders)}, got {transport!r}")
+    return senders[transport](options)

@@ -1,6 +1,7 @@
 """The engine actor's side of weight sync: `WeightSync`, composed by the
 engine actor (`RolloutEngine.weights`), with the two-phase session every
-transport runs inside.
+transport runs inside (on top of `EngineWeights`, what holds between syncs;
+one open sync's state and watchdog are `open_sync.OpenSync`).
 
 A sync is a session: `begin_weight_sync` (check the manifest, then pause
 generation and optionally back the weights up) -> one or more receives (the
@@ -18,9 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -28,13 +26,14 @@ from pydantic import BaseModel, ValidationError
 from engines.errors import EngineFailure
 from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import ON_FAILURE
+from engines.weight_sync.engine_weights import EngineWeights
 from engines.weight_sync.errors import (
-    ManifestMismatchError,
     WeightSyncError,
     WeightTransferError,
     WeightVersionError,
 )
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.manifest import raise_problems
+from engines.weight_sync.open_sync import OpenSync
 from engines.weight_sync.protocol import (
     Aborted,
     Begun,
@@ -50,65 +49,6 @@ from engines.weight_sync.protocol import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class OpenSync:
-    """The state of one sync on an engine, and its watchdog."""
-
-    version: int
-    on_failure: str  # "restore" | "stale"
-    idle_timeout_s: float
-    implicit: bool = False  # opened by an OpenRLHF-style update_weight call
-    touched: bool = False  # some weights were (maybe partly) loaded
-    # The workers hold something of this sync that `end_weight_sync` must drop.
-    worker_state: bool = False
-    received: set[str] = field(default_factory=set)  # names, for implicit syncs
-    active_calls: int = 0
-    last_activity: float = field(default_factory=time.monotonic)
-    nbytes: int = 0
-    watchdog: asyncio.Task | None = None
-
-    @asynccontextmanager
-    async def call(self):
-        """Wrap every call that works inside the session: the watchdog waits."""
-        self.active_calls += 1
-        try:
-            yield self
-        finally:
-            self.active_calls -= 1
-            self.last_activity = time.monotonic()
-
-    def idle_for(self) -> float:
-        return 0.0 if self.active_calls else time.monotonic() - self.last_activity
-
-    def start_watchdog(self, on_expiry: Callable[[OpenSync], Awaitable[Any]]) -> None:
-        async def watch() -> None:
-            while True:
-                remaining = self.idle_timeout_s - self.idle_for()
-                if remaining <= 0:
-                    logger.error(
-                        "weight sync to version %d had no call for %.0fs: aborting it",
-                        self.version,
-                        self.idle_timeout_s,
-                    )
-                    await on_expiry(self)
-                    return
-                await asyncio.sleep(remaining if not self.active_calls else self.idle_timeout_s)
-
-        self.watchdog = asyncio.get_running_loop().create_task(watch())
-
-    def stop_watchdog(self) -> None:
-        if self.watchdog is not None and self.watchdog is not asyncio.current_task():
-            self.watchdog.cancel()
-        self.watchdog = None
-
-
-def raise_problems(engine: str, problems: list[str]) -> None:
-    if problems:
-        shown = "; ".join(dict.fromkeys(problems[:5]))
-        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise ManifestMismatchError(f"engine {engine}: weight manifest mismatch: {shown}{more}")
-
-
 def validated(model: type[BaseModel], data: Any, engine: str) -> Any:
     """`data` checked against `model`, before anything is touched."""
     try:
@@ -117,63 +57,16 @@ def validated(model: type[BaseModel], data: Any, engine: str) -> Any:
         raise WeightSyncError(f"engine {engine}: invalid {model.__name__}: {exc}") from exc
 
 
-class WeightSync:
+class WeightSync(EngineWeights):
     """Weight sync on one engine actor. Transports' engine methods take it as
     their first argument and run their worker calls through `receive`."""
 
     def __init__(self, host: EngineHost):
-        self.host = host
+        super().__init__(host)
         self.open: OpenSync | None = None
-        self.in_group = False  # set by init_process_group, cleared by destroy_weight_group
-        # Per transport, what it keeps between syncs (a validated plan).
-        self.held: dict[str, Any] = {}
         self._lock = asyncio.Lock()
-        self._accepted: frozenset[tuple[str, bool]] = frozenset()
-        self._last_accepted: tuple[dict, bool] | None = None
         # The receives `begin_and_receive` may run, by name.
         self._one_call = {m: t.engine_methods[m] for t in transports() for m in t.one_call}
-
-    @property
-    def name(self) -> str:
-        return self.host.config.name
-
-    def rpc_timeout(self, timeout_s: float | None = None) -> float:
-        return float(timeout_s) if timeout_s is not None else float(self.host.config.rpc_timeout_s)
-
-    async def rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return await self.host.collective_rpc(method, args=args, kwargs=kwargs or None)
-
-    # --- manifest and inspection -------------------------------------------------------
-    async def weight_manifest(self) -> dict:
-        """The parameter layout (HF names) this engine accepts."""
-        return (await self.rpc("weight_manifest"))[0]
-
-    async def check_weight_manifest(self, manifest: dict, allow_partial: bool = False) -> None:
-        """Raise ManifestMismatchError, naming the parameter, if the trainer's
-        manifest does not fit this engine. Changes nothing."""
-        # Most syncs send the manifest accepted last time: a plain comparison,
-        # no validation.
-        if self._last_accepted == (manifest, bool(allow_partial)):
-            return
-        checked = Manifest.model_validate(manifest)
-        # A worker's layout never changes, so a manifest it accepted once is
-        # accepted again without asking it.
-        key = (checked.digest(), bool(allow_partial))
-        if key not in self._accepted:
-            per_worker = await self.rpc(
-                "weight_manifest_problems", checked.model_dump(mode="json"), bool(allow_partial)
-            )
-            raise_problems(self.name, [p for problems in per_worker for p in problems])
-            self._accepted = self._accepted | {key}
-        self._last_accepted = (manifest, bool(allow_partial))
-
-    async def weight_checksums(self, names: list[str]) -> list[dict[str, str | None]]:
-        """Per worker: checksums of the named weights (see WorkerWeights)."""
-        return await self.rpc("weight_checksums", list(names))
-
-    async def read_weights(self, names: list[str]) -> dict[str, Any]:
-        """Rank 0's copies of the named weights (CPU tensors)."""
-        return (await self.rpc("read_weights", list(names)))[0]
 
     async def weight_status(self) -> WeightStatus:
         """Version served, staleness, and the version being synced (if any)."""
@@ -184,59 +77,6 @@ class WeightSync:
             self.host.stale,
             open_.version if open_ is not None else None,
         )
-
-    # --- the weight group --------------------------------------------------------------
-    async def init_process_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-        use_ray: bool = False,
-        timeout_s: float | None = None,
-        secret: str | None = None,
-    ) -> list[int]:
-        """Join the trainer's weight group (OpenRLHF's signature): worker of
-        tensor-parallel rank r becomes rank `rank_offset + r`. Must run while the
-        trainer (rank 0) creates its side. Returns the ranks taken. `secret`:
-        the group's (our trainer's); OpenRLHF's trainers send none."""
-        if use_ray:
-            # ray.util.collective has no timeout on its collectives, and every
-            # collective here must have one.
-            raise WeightSyncError("use_ray=True is not supported: use backend 'gloo' or 'nccl'")
-        if backend not in ("gloo", "nccl"):
-            raise WeightSyncError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 1:
-            raise WeightSyncError(
-                f"rank_offset must be an integer >= 1 (0 is the trainer), got {rank_offset!r}"
-            )
-        ranks = await self.rpc(
-            "init_process_group",
-            master_address=str(master_address),
-            master_port=int(master_port),
-            rank_offset=rank_offset,
-            world_size=int(world_size),
-            group_name=str(group_name),
-            backend=backend,
-            timeout_s=self.rpc_timeout(timeout_s),
-            secret=secret,
-        )
-        self.in_group = True
-        return ranks
-
-    async def destroy_weight_group(self) -> None:
-        self.in_group = False
-        await self.rpc("destroy_weight_group")
-
-    async def has_weight_group(self) -> bool:
-        return all(await self.rpc("has_weight_group"))
-
-    async def weight_worker_nodes(self) -> list[str]:
-        """The node address of each worker (one rank each in a weight group:
-        as many as the tensor-parallel size)."""
-        return await self.rpc("node_address")
 
     # --- the session -------------------------------------------------------------------
     async def begin_weight_sync(
@@ -502,22 +342,3 @@ class WeightSync:
             logger.exception("engine %s: restoring weights failed", self.name)
             return False
         return restore and all(r["restored"] for r in results)
-
-
-#: WeightSync's methods the engine actor answers (besides the transports').
-CORE_ENGINE_METHODS = (
-    "weight_manifest",
-    "check_weight_manifest",
-    "weight_checksums",
-    "read_weights",
-    "weight_status",
-    "init_process_group",
-    "destroy_weight_group",
-    "has_weight_group",
-    "weight_worker_nodes",
-    "begin_weight_sync",
-    "begin_and_receive",
-    "verify_weight_sync",
-    "finish_weight_sync",
-    "abort_weight_sync",
-)

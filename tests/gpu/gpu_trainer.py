@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from policy_probes import PolicyProbes
+
 from engines.weight_sync import cuda_ipc
 from training.config import PolicyConfig
 from training.policy import ReferencePolicy
 
 
-class BF16Policy(ReferencePolicy):
+class BF16Policy(PolicyProbes, ReferencePolicy):
     def __init__(self, config: PolicyConfig | dict):
         import torch
 
@@ -46,7 +48,8 @@ def start_bf16_policy(pretrain: str, **options: Any):
     import ray
 
     # Ray pickles classes by reference and its workers cannot import this
-    # directory (tests/gpu): ship this module's code by value instead.
+    # directory (tests/gpu) nor tests/: ship these modules' code by value instead.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(sys.modules[PolicyProbes.__module__])
     config = PolicyConfig(pretrain=pretrain, device="cuda", sync_timeout_s=120.0)
     return ray.remote(BF16Policy).options(max_restarts=0, **options).remote(config.model_dump())

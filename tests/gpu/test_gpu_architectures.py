@@ -128,7 +128,7 @@ def test_every_transport_into_every_architecture(arch, ray_gpu, gpu_baseline, tm
         )
         ray.get(policy.perturb.remote(0.02, 4), timeout=TIMEOUT_S)
         report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
-        assert report["verified"], report
+        assert report.verified, report
         check_parity(ray, arch, engine, policy, "after a checkpoint sync")
     finally:
         ray.kill(policy)

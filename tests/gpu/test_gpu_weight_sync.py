@@ -13,6 +13,7 @@ from gpu_helpers import SYNCED_MAX_ABS, SYNCED_MEAN_ABS, wait_gpus_released, wai
 from gpu_trainer import start_bf16_policy
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
+from engines.weight_sync import SyncReport
 
 pytestmark = pytest.mark.gpu
 
@@ -50,12 +51,12 @@ def assert_matches_trainer(ray, engine, policy, what: str) -> list[list[float]]:
     return ours
 
 
-def sync_and_check(ray, engine, policy, before, seed: int, scale: float = 0.02) -> dict:
+def sync_and_check(ray, engine, policy, before, seed: int, scale: float = 0.02) -> SyncReport:
     version = ray.get(policy.perturb.remote(scale, seed), timeout=TIMEOUT_S)
     report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
     print(f"sync v{version}: {report}")
-    assert report["version"] == version and not report["skipped"]
-    assert report["verified"] == (report["transport"] == "broadcast")
+    assert report.version == version and not report.skipped
+    assert report.verified == (report.transport == "broadcast")
     health = ray.get(engine.health.remote(), timeout=TIMEOUT_S)
     assert health["weight_version"] == version and not health["stale"]
     after = assert_matches_trainer(ray, engine, policy, f"after sync v{version}")
@@ -110,7 +111,7 @@ def test_cuda_ipc_sync_into_a_sleeping_colocated_engine(ray_gpu, gpu_model, gpu_
             # first, loads the new ones through CUDA IPC, then the KV cache.
             ray.get(engine.sleep.remote(level=1), timeout=TIMEOUT_S)
             report = sync_and_check(ray, engine, policy, before, seed, scale)
-            assert report["transport"] == "cuda_ipc"
+            assert report.transport == "cuda_ipc"
             # The trainer's parameters stay put: from the second sync on the
             # engine keeps them mapped and its copies run as one CUDA graph
             # (captured in sync 2, replayed in sync 3; the parity above checks it).
@@ -118,7 +119,7 @@ def test_cuda_ipc_sync_into_a_sleeping_colocated_engine(ray_gpu, gpu_model, gpu_
             assert plan["graph"] == (seed >= 2) and plan["graph_error"] is None, plan
             # Kept tensors: the engine answered with its copies queued, and the
             # trainer waited on its CUDA event (the parity above reads the result).
-            assert ("copies" in report["phases"]) == (seed >= 2), report["phases"]
+            assert ("copies" in report.phases) == (seed >= 2), report.phases
             assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["sleeping"] == []
             before = engine_logprobs(ray, engine)
     finally:
@@ -161,7 +162,7 @@ def test_nccl_broadcast_from_a_trainer_on_another_gpu(ray_gpu, gpu_model, gpu_co
         assert info["backend"] == "nccl" and info["world_size"] == 2
         for seed in (1, 2):
             report = sync_and_check(ray, engine, policy, before, seed)
-            assert report["transport"] == "broadcast" and report["buckets"] > 1
+            assert report.transport == "broadcast" and report.buckets > 1
             before = engine_logprobs(ray, engine)
     finally:
         ray.kill(policy)

@@ -8,6 +8,7 @@ import base64
 import pytest
 from PIL import Image
 
+from engines.weight_sync import SyncReport
 from tasks.generate import IterationReport
 from tasks.report import (
     IterationMetrics,
@@ -53,7 +54,9 @@ def step(reward: float, version: int = 1, mismatch: float | None = None) -> Step
 def on_policy(rewards: list[float]) -> list[IterationMetrics]:
     return [
         IterationMetrics.of(
-            report(i, tokens=640 + 64 * i), step(r, i + 1), synced={"seconds": 0.5 - 0.1 * i}
+            report(i, tokens=640 + 64 * i),
+            step(r, i + 1),
+            synced=SyncReport(i + 1, "broadcast", 1, seconds=0.5 - 0.1 * i),
         )
         for i, r in enumerate(rewards)
     ]
@@ -76,7 +79,7 @@ def test_metrics_of_an_iteration():
 
 
 def test_training_row_of_an_iteration():
-    synced = {"version": 2, "bytes": 4_000_000, "seconds": 0.25, "gb_per_s": 0.016}
+    synced = SyncReport(2, "broadcast", 1, bytes=4_000_000, seconds=0.25)
     row = TrainingRow.of(
         report(1), step(0.5, 2, mismatch=0.0123456), synced, engine_idle_s=0.5, policy_idle_s=2.0
     )

@@ -105,7 +105,7 @@ def test_on_policy_loop_raises_the_reward(ray_local, tiny_model, tmp_path):
     # On-policy: iteration i trains on rollouts of version i and makes i + 1,
     # which the sync hands to the engine before iteration i + 1 generates.
     assert [t.version for t in trained] == list(range(1, ITERATIONS + 1))
-    assert [s["version"] for s in synced] == list(range(1, ITERATIONS + 1))
-    assert all(not s["skipped"] and s["bytes"] > 0 and s["gb_per_s"] > 0 for s in synced)
+    assert [s.version for s in synced] == list(range(1, ITERATIONS + 1))
+    assert all(not s.skipped and s.bytes > 0 and s.gb_per_s > 0 for s in synced)
     for i in range(ITERATIONS):
         assert {r["weight_version"] for r in read_rows(tmp_path / f"iter-{i:03d}")} == {i}

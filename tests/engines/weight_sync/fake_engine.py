@@ -9,7 +9,7 @@ import asyncio
 import torch
 
 from engines.config import EngineConfig
-from engines.weight_api import with_weight_methods
+from engines.weight_api import WeightApi
 from engines.weight_sync.config import GroupInfo
 from engines.weight_sync.group import WeightGroup, free_port
 from engines.weight_sync.session import WeightSync
@@ -26,8 +26,7 @@ class FakeWorker(WeightSyncWorkerExtension):
         return self.model
 
 
-@with_weight_methods
-class FakeEngine:
+class FakeEngine(WeightApi):
     """The engine-actor surface `WeightSync` relies on (`EngineHost`), and nothing else."""
 
     def __init__(self, model: torch.nn.Module):

@@ -24,18 +24,6 @@ from engines.weight_sync.errors import (
 from engines.weight_sync.manifest import Manifest
 
 
-@pytest.fixture
-def engine():
-    return FakeEngine(model(0))
-
-
-@pytest.fixture
-def new_weights(tmp_path):
-    trained = model(1)
-    path = checkpoint.save(trained.named_parameters(), tmp_path / "v1", version=1)
-    return str(path), state(trained)
-
-
 def test_a_full_sync_serves_the_new_version(engine, new_weights):
     path, expected = new_weights
 
@@ -72,26 +60,6 @@ def test_bad_version_or_manifest_changes_nothing(engine, new_weights):
     assert_state(engine.worker.model, before)
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
     assert engine.weights.open is None
-
-
-def test_an_accepted_manifest_is_not_asked_of_the_workers_again(engine, new_weights):
-    path, _ = new_weights
-    manifest = checkpoint.read_manifest(path).model_dump(mode="json")
-    asked = []
-    check = engine.worker.weight_manifest_problems
-    engine.worker.weight_manifest_problems = lambda *args: asked.append(args) or check(*args)
-
-    async def begin_and_abort(version, manifest):
-        await engine.begin_weight_sync(version, manifest)
-        await engine.abort_weight_sync()
-
-    run(begin_and_abort(1, manifest))
-    run(begin_and_abort(1, manifest))
-    assert len(asked) == 1  # remembered
-    wrong = Manifest.of([("weight", torch.zeros(4, 3)), ("bias", torch.zeros(3))])
-    with pytest.raises(ManifestMismatchError, match="'weight'"):
-        run(engine.begin_weight_sync(1, wrong.model_dump(mode="json")))
-    assert len(asked) == 2  # a new manifest is still checked, and still refused
 
 
 def partial_checkpoint(tmp_path, new_weights) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from policy_probes import create_probed_policy
 from test_group import listening_addresses
 
 from engines import (
@@ -36,7 +37,6 @@ from engines.weight_sync import (
     sync_from_checkpoint,
 )
 from engines.weight_sync.manifest import Manifest
-from training.policy import create_policy_actor
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
@@ -55,7 +55,7 @@ def cluster(tiny_model, ray_local_module):
     engines = create_vllm_engines(
         2, tiny_model, max_len=256, gpu_memory_utilization=0.5, backend="hf", name_prefix=PREFIX
     )
-    policy = create_policy_actor(
+    policy = create_probed_policy(
         {"pretrain": tiny_model, "sync_timeout_s": TIMEOUT_S, "bucket_bytes": 64 * 1024}
     )
     ray.get([e.ready.remote() for e in engines] + [policy.health.remote()], timeout=180)
@@ -156,14 +156,14 @@ def test_sync_makes_engines_match_the_trainer(setup):
 
     report = get(policy.sync_weights.remote(), 60)
 
-    assert report["version"] == version and report["verified"] and not report["skipped"]
-    assert report["bytes"] == sum(t.numel() * 4 for t in policy_weights(policy).values())
-    assert report["buckets"] > 1 and report["gb_per_s"] > 0
+    assert report.version == version and report.verified and not report.skipped
+    assert report.bytes == sum(t.numel() * 4 for t in policy_weights(policy).values())
+    assert report.buckets > 1 and report.gb_per_s > 0
     # Where the time went inside the engines, within the phases that hold it.
-    inside = report["engine_times"]
+    inside = report.engine_times
     assert set(inside) == {"pause_s", "prepare_s", "wait_s", "load_s"}
-    assert inside["pause_s"] + inside["prepare_s"] <= report["phases"]["begin"]
-    assert 0 < inside["wait_s"] + inside["load_s"] <= report["phases"]["transfer"]
+    assert inside["pause_s"] + inside["prepare_s"] <= report.phases["begin"]
+    assert 0 < inside["wait_s"] + inside["load_s"] <= report.phases["transfer"]
     for engine in engines:
         assert max_diff(engine_logprobs(engine), trainer) < LOGPROB_ATOL
     assert_weights(engines, policy_weights(policy))
@@ -173,7 +173,7 @@ def test_sync_makes_engines_match_the_trainer(setup):
     out = get(engines[1].generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), 30)
     assert out.weight_version == version
     # Nothing new: nothing to send.
-    assert get(policy.sync_weights.remote(), 60)["skipped"]
+    assert get(policy.sync_weights.remote(), 60).skipped
 
 
 def test_manifest_mismatch_changes_nothing(setup):
@@ -203,7 +203,7 @@ def test_manifest_mismatch_changes_nothing(setup):
     assert_weights(engines, weights)
     # And the next sync is not blocked by a half-open one.
     get(policy.perturb.remote(0.01, 2), 30)
-    assert get(policy.sync_weights.remote(), 60)["version"] == before_version + 1
+    assert get(policy.sync_weights.remote(), 60).version == before_version + 1
 
 
 def test_trainer_killed_mid_sync_engines_restore_old_weights(setup):
@@ -312,7 +312,7 @@ def test_openrlhf_trainer_killed_mid_sync_leaves_engines_stale(setup, tiny_model
     # torn down): the policy's next sync sees that and rebuilds its group.
     get(policy.perturb.remote(0.01, 3), 30)
     report = get(policy.sync_weights.remote(), 60)
-    assert not report["skipped"]
+    assert not report.skipped
     assert [s["stale"] for s in health(engines)] == [False, False]
     assert_weights(engines, policy_weights(policy))
 
@@ -325,6 +325,24 @@ def test_checkpoint_transport(setup, tmp_path):
     assert report.version == version and report.verified
     assert_weights(engines, policy_weights(policy))
     assert [h["weight_version"] for h in health(engines)] == [version] * 2
+
+
+def test_the_policy_syncs_through_a_checkpoint_directory(setup, tmp_path):
+    """The trainer's checkpoint transport (`CheckpointSender`, no special case
+    in the trainer): each sync writes v<version> under the directory and the
+    engines load it, verified."""
+    engines, policy = setup
+    options = dict(transport="checkpoint", checkpoint_dir=str(tmp_path))
+    info = get(policy.init_weight_sync.remote(engines, **options), 60)
+    try:
+        assert info == {"transport": "checkpoint", "engines": 2}
+        version = get(policy.perturb.remote(0.01, 6), 30)
+        report = get(policy.sync_weights.remote(), 60)
+        assert (report.transport, report.version, report.verified) == ("checkpoint", version, True)
+        assert (tmp_path / f"v{version:06d}" / "model.safetensors").is_file()
+        assert_weights(engines, policy_weights(policy))
+    finally:
+        get(policy.init_weight_sync.remote(engines), 60)  # back to the broadcast
 
 
 def test_one_engine_with_nothing_to_verify_syncs_in_one_call(setup, tmp_path):
@@ -413,8 +431,8 @@ def test_engine_killed_mid_sync(setup):
     replace_engine(engines, 1)
     get(engines[1].ready.remote(), 120)
     report = get(policy.sync_weights.remote(engines), 60)
-    assert not report["skipped"]
+    assert not report.skipped
     assert [(h["weight_version"], h["stale"]) for h in health(engines)] == [
-        (report["version"], False)
+        (report.version, False)
     ] * 2
     assert_weights(engines, policy_weights(policy))
