@@ -23,6 +23,7 @@ from engines.errors import (  # noqa: E402
     RequestError,
 )
 from engines.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from engines.placement import check_cluster_fits  # noqa: E402
 from engines.sampling import SamplingParams  # noqa: E402
 from engines.vllm_engine import (  # noqa: E402
     EngineSet,
@@ -30,6 +31,9 @@ from engines.vllm_engine import (  # noqa: E402
     create_vllm_engines,
     destroy_engines,
     replace_engine,
+    resolve_backend,
+    restart_engine,
+    swap_in_spare,
 )
 
 __all__ = [
@@ -48,7 +52,11 @@ __all__ = [
     "SamplingParams",
     "batch_vllm_engine_call",
     "call_engines",
+    "check_cluster_fits",
     "create_vllm_engines",
     "destroy_engines",
     "replace_engine",
+    "resolve_backend",
+    "restart_engine",
+    "swap_in_spare",
 ]
