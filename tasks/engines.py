@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import ray
@@ -19,8 +19,9 @@ from engines import (
 )
 from engines.client import get
 from tasks.cluster import Cluster
-from tasks.pool import EnginePool
-from tasks.scope import RunScope, sweep_run
+from tasks.run.params import EngineParams
+from tasks.run.pool import EnginePool
+from tasks.run.scope import RunScope, sweep_run
 
 # A result that `ray.wait` reported ready is fetched at once; the deadline only
 # guards against a pathological object store.
@@ -66,6 +67,16 @@ class EngineRequest:
     spare_engines: int = 0
     colocate_trainer: bool = False
 
+    @classmethod
+    def of(cls, engines: EngineParams, **decided: Any) -> EngineRequest:
+        """The request of a run's engine section: every field the request
+        names passes on as it is, so a new engine knob needs no edit here.
+        `decided`: what the run resolved (model, backend) or takes from its
+        other sections (seed, colocate_trainer)."""
+        names = {field.name for field in fields(cls)}
+        given = {name: value for name, value in engines.model_dump().items() if name in names}
+        return cls(**{**given, **decided})
+
     def start(self, name_prefix: str | None = None, namespace: str | None = None) -> EngineSet:
         return create_vllm_engines(
             self.num_engines,
@@ -85,48 +96,37 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class EarlyEngines:
+    """A run's engines started before its flow: the CLI starts them on the
+    local Ray it started, while Prefect's server comes up, and passes them to
+    the flow. Their names are their own (the flow run's id is not known
+    yet); they end with that local Ray."""
+
     request: EngineRequest
     engines: EngineSet
     started_at: float  # time.monotonic() when they were created
 
 
-# The engines this process started before its flow (the CLI's, at most one
-# set): `create_engines` takes them when it asks for the same.
-_early: EarlyEngines | None = None
+def start_early(request: EngineRequest) -> EarlyEngines:
+    return EarlyEngines(request, request.start(), time.monotonic())
 
 
-def start_early(request: EngineRequest) -> EngineSet:
-    """Start a run's engines before its flow runs: the CLI does, on the local
-    Ray it started, while Prefect's server comes up. Their names are their own
-    (the flow run's id is not known yet); they end with that local Ray."""
-    global _early
-    if _early is not None:
-        raise RuntimeError("engines were already started early in this process")
-    engines = request.start()
-    _early = EarlyEngines(request, engines, time.monotonic())
-    return engines
-
-
-def take_early(request: EngineRequest) -> EarlyEngines | None:
-    """The early engines if they are what `request` asks for; others are
-    destroyed. Either way there are none left to take."""
-    global _early
-    early, _early = _early, None
-    if early is None:
-        return None
-    if early.request != request:
-        destroy_engines(early.engines)
-        return None
-    return early
+def take_early(early: EarlyEngines | None, request: EngineRequest) -> EarlyEngines | None:
+    """`early` if they are what `request` asks for; others are destroyed."""
+    if early is None or early.request == request:
+        return early
+    destroy_engines(early.engines)
+    return None
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def create_engines(*, scope: RunScope, request: EngineRequest) -> EnginePool:
+def create_engines(
+    *, scope: RunScope, request: EngineRequest, early: EarlyEngines | None = None
+) -> EnginePool:
     """Start the engines, and `request.spare_engines` warm spares (returns at
-    once; `wait_until_ready` waits for them), or take the ones the CLI
-    started early for the same request."""
+    once; `wait_until_ready` waits for them), or take `early` (the CLI's)
+    when they are what `request` asks for; others are destroyed."""
     logger = get_run_logger()
-    if early := take_early(request):
+    if early := take_early(early, request):
         logger.info(
             "using %s, started %.1f s ago while Prefect came up",
             early.engines.names,

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-
-from tasks.records import output_columns
+from tasks.run.params import DataParams
+from tasks.run.records import output_columns
 
 
 class PromptsFileError(ValueError):
@@ -276,19 +274,8 @@ def chat_template_of(model: str) -> ChatTemplate:
     return render
 
 
-def read_run_prompts(
-    path: str, fields: PromptFields, model: str | None, apply_chat_template: bool
-) -> Prompts:
+def read_run_prompts(data: DataParams, model: str | None) -> Prompts:
     """A run's prompts, rendered with the model's chat template if asked."""
-    template = chat_template_of(model) if apply_chat_template else None
-    return read_prompts(path, fields, template)
-
-
-@task(cache_policy=NO_CACHE, persist_result=False)
-def load_prompts(
-    path: str, fields: PromptFields, model: str | None = None, apply_chat_template: bool = False
-) -> Prompts:
-    """Read and check every prompt before any engine is started."""
-    prompts = read_run_prompts(path, fields, model, apply_chat_template)
-    get_run_logger().info("%d prompts from %s", len(prompts), prompts.path)
-    return prompts
+    template = chat_template_of(model) if data.apply_chat_template else None
+    fields = PromptFields(prompt=data.prompt_field, label=data.label_field, id=data.id_field)
+    return read_prompts(data.prompts_path, fields, template)

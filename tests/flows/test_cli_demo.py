@@ -15,7 +15,7 @@ import pytest
 from rollout_support import REPO, rows_by_prompt
 
 from flows.cli import DEMO_PRESET
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.slow
 

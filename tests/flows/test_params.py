@@ -10,15 +10,21 @@ from pydantic import ValidationError
 
 from engines.sampling import SamplingParams
 from flows.cli import parse_params
-from flows.params import SAMPLED_WHEN_SET, RolloutParams
+from flows.params import SAMPLED_WHEN_SET, RolloutParams, sectioned
+
+
+def params(**values) -> RolloutParams:
+    """Parameters from fields given by name (the flags' names)."""
+    return RolloutParams.model_validate(sectioned(values))
 
 
 def test_defaults_are_the_embedded_demo():
-    params = RolloutParams()
-    assert params.prompts_path == "data/prompts.jsonl"
-    assert params.model is None and params.address is None
-    assert params.iterations == 1
-    assert params.sampling().n == params.n and params.sampling().seed is None
+    defaults = RolloutParams()
+    assert defaults.data.prompts_path == "data/prompts.jsonl"
+    assert defaults.engines.model is None and defaults.cluster.address is None
+    assert defaults.training.iterations == 1
+    sampling = defaults.sampling.request()
+    assert sampling.n == defaults.sampling.n and sampling.seed is None
 
 
 @pytest.mark.parametrize(
@@ -31,64 +37,115 @@ def test_defaults_are_the_embedded_demo():
         ({"output_format": "csv"}, "output_format"),
         ({"shard_size": -1}, "shard_size"),
         ({"engine_retries": 99}, "engine_retries"),
-        ({"num_engine": 2}, "num_engine"),  # a typo is not silently ignored
     ],
 )
 def test_invalid_values_name_the_field(values, field):
     with pytest.raises(ValidationError) as info:
-        RolloutParams(**values)
-    assert [error["loc"] for error in info.value.errors()] == [(field,)]
+        RolloutParams.model_validate(sectioned(values))
+    assert [error["loc"][-1] for error in info.value.errors()] == [field]
+
+
+def test_a_typo_is_not_silently_ignored():
+    with pytest.raises(ValidationError) as info:
+        RolloutParams.model_validate({"engines": {"num_engine": 2}})
+    assert [error["loc"] for error in info.value.errors()] == [("engines", "num_engine")]
+
+
+def test_the_flat_shape_names_each_field_s_new_place():
+    with pytest.raises(ValidationError) as info:
+        RolloutParams.model_validate({"num_engines": 4, "n": 2, "output": {"shard_size": 4}})
+    message = str(info.value)
+    assert "num_engines -> engines.num_engines, n -> sampling.n" in message
 
 
 def test_max_tokens_must_leave_room_for_the_prompt():
     with pytest.raises(ValidationError, match=r"max_tokens \(64\) must be below max_len \(64\)"):
-        RolloutParams(max_len=64, max_tokens=64)
+        params(max_len=64, max_tokens=64)
 
 
 def test_colocate_needs_a_policy_and_one_gpu_per_engine():
-    RolloutParams(colocate=True, reward="training.letter_task:reward")
+    params(colocate=True, reward="training.letter_task:reward")
     with pytest.raises(ValidationError, match="colocate puts the policy beside the engines"):
-        RolloutParams(colocate=True)
+        params(colocate=True)
     with pytest.raises(ValidationError, match="it needs an on-policy run"):
-        RolloutParams(colocate=True, reward="training.letter_task:reward", train=False)
+        params(colocate=True, reward="training.letter_task:reward", train=False)
     with pytest.raises(ValidationError, match="tensor_parallel_size must be 1, got 2"):
-        RolloutParams(colocate=True, reward="training.letter_task:reward", tensor_parallel_size=2)
+        params(colocate=True, reward="training.letter_task:reward", tensor_parallel_size=2)
 
 
 def test_schedule_and_its_staleness_bound():
-    assert (RolloutParams().schedule, RolloutParams().staleness_bound) == ("sync", 0)
-    assert RolloutParams(schedule="overlap").staleness_bound == 1
-    assert RolloutParams(schedule="in_flight", max_staleness=3).staleness_bound == 3
+    training = RolloutParams().training
+    assert (training.schedule, training.staleness_bound) == ("sync", 0)
+    assert params(schedule="overlap").training.staleness_bound == 1
+    assert params(schedule="in_flight", max_staleness=3).training.staleness_bound == 3
     with pytest.raises(ValidationError, match=r"'overlap' needs max_staleness >= 1, got 0"):
-        RolloutParams(schedule="overlap", max_staleness=0)
+        params(schedule="overlap", max_staleness=0)
     with pytest.raises(ValidationError, match=r"max_staleness \(2\) needs schedule 'overlap'"):
-        RolloutParams(max_staleness=2)
+        params(max_staleness=2)
     with pytest.raises(ValidationError) as info:
-        RolloutParams(schedule="async")
-    assert [error["loc"] for error in info.value.errors()] == [("schedule",)]
-    params = parse_params(["--schedule", "in_flight", "--max-staleness", "2"])
-    assert (params.schedule, params.max_staleness) == ("in_flight", 2)
+        params(schedule="async")
+    assert [error["loc"] for error in info.value.errors()] == [("training", "schedule")]
+    training = parse_params(["--schedule", "in_flight", "--max-staleness", "2"]).training
+    assert (training.schedule, training.max_staleness) == ("in_flight", 2)
 
 
 def test_json_schema_carries_bounds_for_the_ui():
     schema = RolloutParams.model_json_schema()
     assert schema["additionalProperties"] is False
-    assert schema["properties"]["num_engines"]["minimum"] == 1
-    assert schema["properties"]["backend"]["enum"] == ["auto", "vllm", "hf"]
+    engines = schema["$defs"]["EngineParams"]
+    assert engines["additionalProperties"] is False
+    assert engines["properties"]["num_engines"]["minimum"] == 1
+    assert engines["properties"]["backend"]["enum"] == ["auto", "vllm", "hf"]
+
+
+def test_one_declaration_of_each_sampling_bound():
+    """The run's sampling fields are `SamplingParams`' own, with the run's
+    tighter caps on top: the engine's bounds hold for the run too."""
+    sampling = RolloutParams.model_json_schema()["$defs"]["SamplingSection"]["properties"]
+    assert (sampling["temperature"]["minimum"], sampling["temperature"]["maximum"]) == (0, 100)
+    assert sampling["top_p"]["exclusiveMinimum"] == 0 and sampling["top_p"]["maximum"] == 1
+    assert "maximum" not in SamplingParams.model_json_schema()["properties"]["temperature"]
 
 
 def test_cli_flags_override_the_config_file(tmp_path):
     config = tmp_path / "run.json"
-    config.write_text(json.dumps({"num_engines": 3, "n": 2, "address": "10.0.0.1:6379"}))
-    params = parse_params(["--config", str(config), "--n", "4", "--address", "none"])
-    assert (params.num_engines, params.n, params.address) == (3, 4, None)
+    config.write_text(
+        json.dumps(
+            {
+                "engines": {"num_engines": 3},
+                "sampling": {"n": 2},
+                "cluster": {"address": "10.0.0.1:6379"},
+            }
+        )
+    )
+    run = parse_params(["--config", str(config), "--n", "4", "--address", "none"])
+    assert (run.engines.num_engines, run.sampling.n, run.cluster.address) == (3, 4, None)
+    assert run.sampling.max_tokens == 8  # the demo preset's, under the file
 
 
 def test_cli_reads_yaml(tmp_path):
     config = tmp_path / "run.yaml"
+    config.write_text("engines:\n  num_engines: 1\nsampling:\n  ignore_eos: true\n")
+    run = parse_params(["--config", str(config)])
+    assert run.engines.num_engines == 1 and run.sampling.ignore_eos is True
+
+
+def test_cli_refuses_a_config_of_the_flat_shape_naming_the_new_places(tmp_path):
+    config = tmp_path / "run.yaml"
     config.write_text("num_engines: 1\nignore_eos: true\n")
-    params = parse_params(["--config", str(config)])
-    assert params.num_engines == 1 and params.ignore_eos is True
+    with pytest.raises(SystemExit) as info:
+        parse_params(["--config", str(config)])
+    assert "num_engines -> engines.num_engines, ignore_eos -> sampling.ignore_eos" in str(
+        info.value.code
+    )
+
+
+def test_a_bad_value_in_the_config_is_named_by_its_place(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("engines:\n  num_engines: 0\n")
+    with pytest.raises(SystemExit) as info:
+        parse_params(["--config", str(config)])
+    assert f"engines.num_engines in {config} 0:" in str(info.value.code)
 
 
 @pytest.mark.parametrize(
@@ -131,16 +188,16 @@ def test_sampling_fields_reach_sampling_params_or_fail_naming_the_field(name, va
     """Every field set on the run reaches `SamplingParams`; one that our
     `SamplingParams` does not have (yet) is refused with its name, never
     dropped."""
-    params = RolloutParams(**{name: value})
+    run = params(**{name: value})
     if name in SamplingParams.model_fields:
-        assert getattr(params.sampling(), name) == value
+        assert getattr(run.sampling.request(), name) == value
     else:
         with pytest.raises(ValidationError, match=name):
-            params.sampling()
+            run.sampling.request()
 
 
 def test_unset_sampling_fields_keep_vllms_defaults():
-    assert RolloutParams().sampling().model_fields_set == {
+    assert RolloutParams().sampling.request().model_fields_set == {
         "n",
         "temperature",
         "top_p",
@@ -153,21 +210,21 @@ def test_unset_sampling_fields_keep_vllms_defaults():
 
 def test_every_sampling_field_has_a_flag():
     assert set(SAMPLING_VALUES) == set(SAMPLED_WHEN_SET)
-    params = parse_params(
+    sampling = parse_params(
         ["--stop", "###", "--stop-token-ids", "[2, 7]", "--min-p", "0.05", "--min-tokens", "3"]
-    )
-    assert (params.stop, params.stop_token_ids, params.min_p) == (["###"], [2, 7], 0.05)
-    assert parse_params(["--stop", '["a", "b"]']).stop == ["a", "b"]
-    assert RolloutParams(stop="x").stop == ["x"]  # vLLM takes one string too
+    ).sampling
+    assert (sampling.stop, sampling.stop_token_ids, sampling.min_p) == (["###"], [2, 7], 0.05)
+    assert parse_params(["--stop", '["a", "b"]']).sampling.stop == ["a", "b"]
+    assert params(stop="x").sampling.stop == ["x"]  # vLLM takes one string too
 
 
 def test_task_fields_from_flags():
-    params = parse_params(
+    run = parse_params(
         ["--label-field", "reward_model.ground_truth", "--id-field", "uid"]
         + ["--apply-chat-template", "--reward-style", "verl"]
     )
-    assert params.label_field == "reward_model.ground_truth"
-    assert (params.id_field, params.apply_chat_template, params.reward_style) == (
+    assert run.data.label_field == "reward_model.ground_truth"
+    assert (run.data.id_field, run.data.apply_chat_template, run.training.reward_style) == (
         "uid",
         True,
         "verl",

@@ -1,6 +1,6 @@
-"""The engines a process starts before its flow (the CLI's early start), and
-`create_engines` taking them. Engine creation is faked here: the CLI demo
-test runs the real thing."""
+"""The engine request of a run's engine section, the engines the CLI starts
+before its flow (passed to it), and `create_engines` taking them. Engine
+creation is faked here: the CLI demo test runs the real thing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 import tasks.engines as engines_tasks
 from tasks.engines import EngineRequest, start_early, take_early
+from tasks.run.params import EngineParams
 
 REQUEST = EngineRequest(
     model="/models/tiny",
@@ -29,7 +30,6 @@ def created(monkeypatch) -> list[tuple]:
     fake "engine set" it returns is its call's index. `destroyed` lists the
     sets destroyed."""
     calls: list[tuple] = []
-    monkeypatch.setattr(engines_tasks, "_early", None)
 
     def create(*args, **kwargs):
         calls.append((args, kwargs))
@@ -61,10 +61,10 @@ def test_the_request_starts_what_it_names(created):
 
 
 def test_the_flow_takes_the_engines_started_early_for_its_request(created, destroyed):
-    engines = start_early(REQUEST)
-    early = take_early(dataclasses.replace(REQUEST, engine_kwargs={"dtype": "float32"}))
-    assert early is not None and early.engines == engines
-    assert take_early(REQUEST) is None  # taken once
+    early = start_early(REQUEST)
+    taken = take_early(early, dataclasses.replace(REQUEST, engine_kwargs={"dtype": "float32"}))
+    assert taken is not None and taken.engines == early.engines
+    assert take_early(None, REQUEST) is None
     assert destroyed == []
 
 
@@ -79,14 +79,19 @@ def test_the_flow_takes_the_engines_started_early_for_its_request(created, destr
     ],
 )
 def test_early_engines_for_another_request_are_destroyed(created, destroyed, change):
-    engines = start_early(REQUEST)
-    assert take_early(dataclasses.replace(REQUEST, **change)) is None
-    assert destroyed == [engines]
-    assert take_early(REQUEST) is None
+    early = start_early(REQUEST)
+    assert take_early(early, dataclasses.replace(REQUEST, **change)) is None
+    assert destroyed == [early.engines]
 
 
-def test_one_early_start_per_process(created):
-    start_early(REQUEST)
-    with pytest.raises(RuntimeError, match="already started early"):
-        start_early(REQUEST)
-    assert len(created) == 1
+def test_every_field_of_the_engine_section_reaches_the_request():
+    section = EngineParams(
+        num_engines=2,
+        max_len=256,
+        gpu_memory_utilization=0.9,
+        engine_kwargs={"dtype": "float32"},
+    )
+    request = EngineRequest.of(section, model="/models/tiny", backend="hf", seed=42)
+    assert request == REQUEST
+    named = {field.name for field in dataclasses.fields(EngineRequest)}
+    assert set(EngineParams.model_fields) - named == set()  # none is dropped

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from tasks.generate import IterationReport
-from tasks.report import (
+from tasks.run.report import (
     IterationMetrics,
     TrainingRow,
     compact,
