@@ -9,7 +9,8 @@ import pytest
 import ray
 
 import tasks.engines as engines_tasks
-from flows.cli import checked_model, parse_params, start_engines_early
+from flows.arguments import parse_params
+from flows.cli import checked_model, start_engines_early
 from flows.rollout import engine_request
 
 

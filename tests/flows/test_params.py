@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from engines.sampling import SamplingParams
-from flows.cli import parse_params
+from flows.arguments import parse_params
 from flows.params import SAMPLED_WHEN_SET, RolloutParams, sectioned
 
 

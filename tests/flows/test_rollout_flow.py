@@ -150,6 +150,12 @@ def test_bad_prompts_file_fails_before_anything_starts(ray_local, tmp_path, cont
 
 def test_invalid_parameters_name_the_field(tmp_path):
     with pytest.raises(Exception, match="num_engines") as info:
-        rollout(params={"num_engines": 0, "output_dir": str(tmp_path)})
+        rollout(params={"engines": {"num_engines": 0}, "output": {"output_dir": str(tmp_path)}})
     assert "greater than or equal to 1" in str(info.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_parameters_of_the_flat_shape_name_each_field_s_new_place(tmp_path):
+    with pytest.raises(Exception, match="num_engines -> engines.num_engines"):
+        rollout(params={"num_engines": 4, "output_dir": str(tmp_path)})
     assert not any(tmp_path.iterdir())
