@@ -1,6 +1,7 @@
 """The rollout flow's parameters: one pydantic model of sections (data,
-engines, sampling, training, output, cluster), each the record a layer
-below takes.
+engines, sampling, training, output, cluster). The sections the tasks take
+as they are live in tasks/run/params.py; the flow's own (sampling,
+training) here.
 
 Prefect renders it as the run form in the UI and, with
 `enforce_parameter_schema: true`, the server rejects a deployment run whose
@@ -21,13 +22,13 @@ from flows.schedule import Schedule
 from tasks.run.params import SECTION, ClusterParams, DataParams, EngineParams, OutputParams
 
 
-def sampled(name: str, default: Any = PydanticUndefined, **caps: Any) -> Any:
-    """`SamplingParams`' declaration of field `name` (its bounds and
-    description live there, once), with the run's own default where given
-    and the run's `caps`: tighter limits a run form puts on top."""
+def sampled(name: str, default: Any = PydanticUndefined, **run: Any) -> Any:
+    """`SamplingParams`' declaration of field `name` (its bounds live there,
+    once), with the run's own default where given, and `run`: the caps a
+    run form puts on top (e.g. `le=100`) or the form's wording."""
     if default is not PydanticUndefined:
-        caps["default"] = default
-    return FieldInfo.merge_field_infos(SamplingParams.model_fields[name], Field(**caps))
+        run["default"] = default
+    return FieldInfo.merge_field_infos(SamplingParams.model_fields[name], Field(**run))
 
 
 class SamplingSection(BaseModel):

@@ -49,8 +49,8 @@ class DataParams(BaseModel):
 
 
 class EngineParams(BaseModel):
-    """The engine set. Names as the engine-set spec's, so the flow passes
-    every field on by name (flows/rollout.py `engine_request`)."""
+    """The engine set. Names as the engine-set spec's, so every field passes
+    on by name (tasks/engines.py `EngineRequest.of`)."""
 
     model_config = SECTION
 
