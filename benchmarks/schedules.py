@@ -88,10 +88,10 @@ def build_model(args: argparse.Namespace, workdir: Path) -> str:
 
 
 def params_for(args: argparse.Namespace, schedule: str, model: str, prompts: Path, out: Path):
-    from flows.params import RolloutParams
+    from flows.params import RolloutParams, sectioned
 
     on_gpu = args.backend == "vllm"
-    return RolloutParams(
+    fields = dict(
         prompts_path=str(prompts),
         label_field="answer",
         id_field="id",
@@ -113,6 +113,7 @@ def params_for(args: argparse.Namespace, schedule: str, model: str, prompts: Pat
         gpu_memory_utilization=0.3 if on_gpu else 0.85,
         engine_kwargs={"enforce_eager": True} if on_gpu and args.enforce_eager else {},
     )
+    return RolloutParams.model_validate(sectioned(fields))
 
 
 def run_one(params) -> dict:
@@ -120,7 +121,7 @@ def run_one(params) -> dict:
 
     state = rollout(params, return_state=True)
     if not state.is_completed():
-        raise RuntimeError(f"the {params.schedule} run failed: {state.message}")
+        raise RuntimeError(f"the {params.training.schedule} run failed: {state.message}")
     summary = state.result()
     rows = summary.training
 
@@ -128,7 +129,7 @@ def run_one(params) -> dict:
         return statistics.fmean(getattr(row, field) or 0.0 for row in rows)
 
     return {
-        "schedule": params.schedule,
+        "schedule": params.training.schedule,
         "steps": len(rows),
         "iterations_s": summary.iterations_seconds,
         "steps_per_hour": len(rows) * 3600 / summary.iterations_seconds,
@@ -219,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 # on the H200s) that would count against whichever schedule
                 # came first; a one-step run pays them for all.
                 warmup = params_for(args, "sync", model, prompts, workdir / "out" / "warmup")
-                run_one(warmup.model_copy(update={"iterations": 1}))
+                run_one(
+                    warmup.model_copy(
+                        update={"training": warmup.training.model_copy(update={"iterations": 1})}
+                    )
+                )
                 print("warm-up run: done", flush=True)
             for schedule in schedules:
                 out = workdir / "out" / schedule

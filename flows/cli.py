@@ -3,37 +3,27 @@
     rolloutflow                                  # the demo: a few on-policy iterations
     rolloutflow --plain                          # a plain rollout job (RolloutParams' defaults)
     rolloutflow --config run.yaml --num-engines 4
-    rolloutflow --help                           # every parameter
+    rolloutflow --help                           # every parameter, with its bounds
 
 Parameters come from the demo preset (unless --plain), then a config file
-(YAML or JSON, the fields of `RolloutParams`), then flags (one per field; the
-later wins). They are checked before anything starts. Without PREFECT_API_URL
-the run uses a local Prefect server that the CLI starts and that ends with it.
+(YAML or JSON, in `RolloutParams`' sections: `engines: {num_engines: 4}`),
+then flags (flows/arguments.py). They are checked before anything starts.
+Without PREFECT_API_URL the run uses a local Prefect server that the CLI
+starts and that ends with it.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import gc
 import os
 import sys
 import time
-import typing
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from flows.settings import (
-    PACKAGED_PROMPTS,
-    PACKAGED_TASK,
-    prefect_ui_hint,
-    set_local_prefect_defaults,
-)
+from flows.settings import prefect_ui_hint, set_local_prefect_defaults
 
 set_local_prefect_defaults()  # before Prefect is imported (flows.rollout below)
-
-import yaml  # noqa: E402 - after the environment defaults above
-from pydantic import ValidationError  # noqa: E402
 
 from engines.env import (  # noqa: E402
     PREFECT_API_URL,
@@ -42,144 +32,13 @@ from engines.env import (  # noqa: E402
     RAY_ADDRESS,
 )
 from flows import lifetime  # noqa: E402
+from flows.arguments import parse_params  # noqa: E402
 from flows.params import RolloutParams  # noqa: E402
 
-#: What `rolloutflow` runs unless told otherwise: the on-policy loop on a
-#: labelled task with a verifier (the letter a prompt repeats), so the first
-#: run shows a policy learning to read its prompt: the mean reward goes from
-#: about 0.005 to 0.5 or more within 4 iterations. Chosen by measurement over
-#: seeds (docs/reporting.md). One engine: on a small machine each engine's
-#: start-up costs seconds. Applied under the user's config and flags;
-#: `--plain` drops it.
-DEMO_PRESET: dict[str, Any] = {
-    "prompts_path": str(PACKAGED_TASK),
-    "label_field": "answer",
-    "id_field": "id",
-    "reward": "training.letter_task:reward",
-    "iterations": 6,
-    "learning_rate": 0.03,
-    "n": 8,
-    "max_tokens": 8,
-    "num_engines": 1,
-}
+if TYPE_CHECKING:  # imports Prefect, which must first see PREFECT_API_URL (main)
+    from tasks.engines import EarlyEngines
 
 STOPPED_EXIT = {"SIGTERM": 143, "SIGINT": 130}  # 128 + the signal, as a shell reports it
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def show(value: Any) -> str:
-    return "none" if value is None or value == {} else str(value)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rolloutflow",
-        description="Generate rollouts with engines on Ray, orchestrated by Prefect. "
-        "With no parameters: the demo, "
-        + ", ".join(f"{flag(k)} {v}" for k, v in DEMO_PRESET.items() if k != "prompts_path")
-        + " (the on-policy loop on the tiny model, on the packaged labelled task).",
-    )
-    parser.add_argument("--config", type=Path, help="YAML or JSON file of parameters")
-    parser.add_argument(
-        "--plain",
-        action="store_true",
-        help="Without the demo preset: a plain rollout job on RolloutParams' defaults "
-        "(no reward, one iteration), as a deployment runs it.",
-    )
-    for name, field in RolloutParams.model_fields.items():
-        shown = show(field.get_default(call_default_factory=True))
-        if name in DEMO_PRESET:
-            shown = f"{show(DEMO_PRESET[name])}; with --plain {shown}"
-        text = f"{field.description or field.title or ''} (default: {shown})"
-        if field.annotation is bool:
-            parser.add_argument(
-                flag(name), dest=name, action=argparse.BooleanOptionalAction, help=text
-            )
-            continue
-        # Values stay strings here: the model parses and checks them, so the
-        # flags and the config file get the same messages.
-        parser.add_argument(flag(name), dest=name, metavar=name.upper(), help=text)
-    return parser
-
-
-def load_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise SystemExit(f"error: config file {path} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}  # YAML is a superset of JSON
-    except yaml.YAMLError as exc:
-        raise SystemExit(f"error: config file {path} is not valid YAML/JSON: {exc}") from exc
-    if not isinstance(values, dict):
-        raise SystemExit(f"error: config file {path} must hold a mapping of parameters")
-    return values
-
-
-def flag_value(name: str, raw: Any) -> Any:
-    """A flag's value, as the model expects it: mappings (engine_kwargs) are
-    JSON/YAML; lists (stop) a JSON list, or one value; switches are booleans;
-    the rest stays a string for the model to parse."""
-    if not isinstance(raw, str):
-        return raw
-    if raw.lower() in ("", "none", "null"):
-        return None
-    origin = typing.get_origin(RolloutParams.model_fields[name].annotation)
-    if origin is list and not raw.lstrip().startswith("["):
-        return [raw]
-    if origin in (dict, list):
-        try:
-            return yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise SystemExit(f"error: {flag(name)} is not JSON: {exc}") from exc
-    return raw
-
-
-def describe_errors(exc: ValidationError, flags: set[str], config: Path | None) -> str:
-    """One line per error, naming what the user typed: the flag, or the
-    config file's key."""
-    lines = []
-    for error in exc.errors():
-        field = str(error["loc"][0]) if error["loc"] else None
-        if field is None:
-            where = "parameters"
-        elif field in flags or config is None:
-            where = flag(field)
-        else:
-            where = f"{field} in {config}"
-        value = f" {error['input']!r}" if field and "input" in error else ""
-        message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"  {where}{value}: {message}")
-    return "error: invalid parameters\n" + "\n".join(lines)
-
-
-def parse_params(argv: list[str] | None = None) -> RolloutParams:
-    args = build_parser().parse_args(argv)
-    values: dict[str, Any] = {} if args.plain else dict(DEMO_PRESET)
-    if args.config:
-        values.update(load_config(args.config))
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "plain") and v is not None}
-    values.update({k: flag_value(k, v) for k, v in flags.items()})
-    if "prompts_path" not in values and not Path(values_default("prompts_path")).exists():
-        # The installed command, away from a checkout: the packaged demo prompts.
-        values["prompts_path"] = str(PACKAGED_PROMPTS)
-    try:
-        return RolloutParams.model_validate(values)
-    except ValidationError as exc:
-        raise SystemExit(describe_errors(exc, set(flags), args.config)) from exc
-
-
-def values_default(name: str) -> Any:
-    return RolloutParams.model_fields[name].get_default(call_default_factory=True)
-
-
-def local_ray_cpus(params: RolloutParams) -> int:
-    """Logical CPUs of a local Ray: what provision_cluster would pick."""
-    needed = (params.num_engines + params.spare_engines) * params.tensor_parallel_size + int(
-        params.on_policy
-    )
-    return params.local_num_cpus or max(os.cpu_count() or 1, needed)
 
 
 def start_ray(params: RolloutParams) -> bool:
@@ -188,9 +47,11 @@ def start_ray(params: RolloutParams) -> bool:
     the flow then uses this connection (on a cluster, with the job's
     runtime_env that ships the run's code). True: a local Ray started here."""
     lifetime.quiet_ray_signal_handlers()
-    from tasks.connection import connect
+    from tasks.cluster import local_num_cpus
+    from tasks.run.connection import connect
 
-    started = connect(params.address, local_ray_cpus(params), "rolloutflow-cli", params.runtime_env)
+    cpus = local_num_cpus(params.cluster, params.engines, params.training.on_policy)
+    started = connect(params.cluster.address, cpus, "rolloutflow-cli", params.cluster.runtime_env)
     if started:
         lifetime.reap_on_death(lifetime.descendants(os.getpid()))
     return started
@@ -201,46 +62,43 @@ def checked_model(params: RolloutParams) -> str | None:
     (sampling fields, reward, logger, every prompt), else None: engines
     start early only for such a run, so that a run failing on its input
     still fails before anything is created. Runs beside `ray.init`."""
-    from flows.rollout import check_settings, prompt_fields
+    from flows.rollout import check_settings
     from tasks.engines import model_path
-    from tasks.prompts import read_run_prompts
+    from tasks.run.prompts import read_run_prompts
 
     try:
-        model = model_path(params.model)
+        model = model_path(params.engines.model)
         check_settings(params)
-        read_run_prompts(
-            params.prompts_path, prompt_fields(params), model, params.apply_chat_template
-        )
+        read_run_prompts(params.data, model)
     except Exception:  # noqa: BLE001 - the flow fails on the same, with the run's context
         return None
     return model
 
 
-def start_engines_early(params: RolloutParams, model: str) -> None:
+def start_engines_early(params: RolloutParams, model: str) -> EarlyEngines | None:
     """Start the run's engines now, on the local Ray started here, beside the
     Prefect server's start. Their own start (a Ray worker importing torch and
     transformers, then the model load) otherwise began only after the
-    server's and the flow's, on the way to the first row. The flow's
-    `create_engines` takes them, its request being the same
-    (docs/benchmarks.md)."""
+    server's and the flow's, on the way to the first row. They are passed
+    to the flow, whose `create_engines` takes them, its spec being the
+    same (docs/benchmarks.md)."""
     import ray
 
-    from engines.errors import EngineSpecError
-    from engines.placement import check_cluster_fits
-    from engines.vllm_engine import resolve_backend
-    from flows.rollout import engine_request
+    from engines import EngineSpecError, check_cluster_fits, resolve_backend
+    from flows.rollout import engine_set
     from tasks.engines import start_early
 
+    engines = params.engines
     try:
-        backend = resolve_backend(params.backend)
+        backend = resolve_backend(engines.backend)
         check_cluster_fits(
-            1 if params.colocate else params.num_engines + params.spare_engines,
-            params.tensor_parallel_size,
+            1 if params.training.colocate else engines.num_engines + engines.spare_engines,
+            engines.tensor_parallel_size,
             uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
         )
-        start_early(engine_request(params, model, backend))
+        return start_early(engine_set(params, model, backend))
     except EngineSpecError:
-        return  # the flow fails on the same, with the run's context
+        return None  # the flow fails on the same, with the run's context
 
 
 def startup_line(
@@ -259,7 +117,7 @@ def startup_line(
     cluster = (
         f"local, started here in {ray_s:.1f} s (no dashboard)"
         if ray_here
-        else f"the cluster at {params.address or os.environ.get(RAY_ADDRESS)} "
+        else f"the cluster at {params.cluster.address or os.environ.get(RAY_ADDRESS)} "
         "(its dashboard: port 8265 of its head unless set otherwise)"
     )
     return f"Prefect API: {prefect}, ready after {ready_s:.1f} s\nRay: {cluster}"
@@ -283,7 +141,7 @@ def print_results(summary) -> None:
         )
     print(f"\n{summary.rows} rollouts written to {summary.output_dir}")
     if summary.curves:
-        from tasks.report import terminal_curves
+        from tasks.run.report import terminal_curves
 
         print("\n" + "\n".join(terminal_curves(summary.metrics)))
         print(f"curves: {summary.curves}")
@@ -307,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     server: lifetime.LocalPrefect | None = None
     ray_here = False
     in_run = False
+    early = None
     try:
         # The server's URL is known before it runs, and before Prefect is
         # imported here, which reads it once.
@@ -323,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         signals.install()  # ray.init took SIGTERM
         signals.check()
         if ray_here and model is not None:
-            start_engines_early(params, model)
+            early = start_engines_early(params, model)
         if server is not None:
             server.start()  # a no-op when it started beside Ray
         from flows.rollout import rollout
@@ -333,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(startup_line(params, server, time.monotonic() - began, ray_here, ray_s), flush=True)
         signals.check()
         in_run = True
-        summary = signals.run(lambda: run_flow(rollout, params, local=server is not None))
+        summary = signals.run(lambda: run_flow(rollout, params, early, local=server is not None))
     except lifetime.Stopped as exc:
         stopped_by = exc.signal_name
     except Exception as exc:  # noqa: BLE001 - the run's log above holds the traceback
@@ -366,16 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_flow(rollout, params: RolloutParams, local: bool):
+def run_flow(rollout, params: RolloutParams, early: EarlyEngines | None, local: bool):
     """The flow; on the CLI's own server without flow run heartbeats: they
     let a long-lived server mark a crashed run, this one ends with the run,
     and the flow's end waits up to a second for the heartbeat thread."""
     if not local:
-        return rollout(params)
+        return rollout(params, early)
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        return rollout(params)
+        return rollout(params, early)
 
 
 if __name__ == "__main__":

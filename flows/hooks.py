@@ -16,14 +16,14 @@ import ray
 from prefect.logging.loggers import flow_run_logger
 
 from engines.env import RAY_ADDRESS
-from tasks.scope import sweep_run
+from tasks.run.scope import sweep_run
 
 
 def cluster_address(parameters: dict) -> str | None:
     params = parameters.get("params") or {}
     if not isinstance(params, dict):  # an in-process run passes the model itself
         params = params.model_dump()
-    return params.get("address") or os.environ.get(RAY_ADDRESS)
+    return (params.get("cluster") or {}).get("address") or os.environ.get(RAY_ADDRESS)
 
 
 def sweep_engines(flow, flow_run, state) -> None:

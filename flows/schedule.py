@@ -37,8 +37,9 @@ class Pipeline:
     rollout job or an evaluation run): generations only, one after another."""
 
     iterations: int
-    schedule: Schedule = "sync"
-    max_staleness: int = 0
+    schedule: Schedule
+    #: The run's bound (flows/params.py declares it): 0 under 'sync'.
+    max_staleness: int
     trains: bool = True
     #: Iterations whose rollouts are written.
     written: set[int] = field(default_factory=set)

@@ -4,6 +4,9 @@ are declared in `engines/env.py`)."""
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
+import sys
 from pathlib import Path
 
 from engines.env import (
@@ -38,6 +41,19 @@ def set_local_prefect_defaults() -> None:
     os.environ.setdefault(PREFECT_STARTUP_TIMEOUT, "120")
 
 
+def prefect_command() -> str:
+    """The `prefect` executable as a shell finds it: the bare name when PATH
+    leads to this environment's, else the one beside this Python by its full
+    path (a virtual environment's bin is often not on PATH)."""
+    beside = Path(sys.executable).parent / "prefect"
+    if not beside.is_file():
+        return "prefect"
+    on_path = shutil.which("prefect")
+    if on_path and os.path.samefile(on_path, beside):
+        return "prefect"
+    return shlex.quote(str(beside))
+
+
 def prefect_ui_hint(prefect_home: str, run_id: str, local: bool, port: int = 4200) -> str:
     """How to open the run in the Prefect UI. The CLI's local server ended
     with it: a server started on the same database shows the run."""
@@ -45,7 +61,8 @@ def prefect_ui_hint(prefect_home: str, run_id: str, local: bool, port: int = 420
         ui = os.environ.get("PREFECT_UI_URL") or os.environ[PREFECT_API_URL].removesuffix("/api")
         return f"the run in the Prefect UI: {ui}/runs/flow-run/{run_id}"
     return (
-        f"to see the run in the Prefect UI: PREFECT_HOME={prefect_home} "
-        f"PREFECT_UI_API_URL=http://127.0.0.1:{port}/api prefect server start --port {port}\n"
+        f"to see the run in the Prefect UI: PREFECT_HOME={shlex.quote(prefect_home)} "
+        f"PREFECT_UI_API_URL=http://127.0.0.1:{port}/api {prefect_command()} server start "
+        f"--port {port}\n"
         f"  then open http://127.0.0.1:{port}/runs/flow-run/{run_id}"
     )

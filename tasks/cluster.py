@@ -1,22 +1,20 @@
 """Provision the Ray cluster for a run: reuse this process's connection,
-connect to an existing cluster, or start a local one (`tasks.connection`);
+connect to an existing cluster, or start a local one (`tasks.run.connection`);
 then check that it can hold the engines before anything is created on it."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.errors import EngineSpecError
-from engines.placement import check_cluster_fits
-from engines.vllm_engine import resolve_backend
-from tasks.connection import connect
-from tasks.scope import RunScope, sweep_run
+from engines import EngineSpecError, check_cluster_fits, resolve_backend
+from tasks.run.connection import connect
+from tasks.run.params import ClusterParams, EngineParams
+from tasks.run.scope import RunScope, sweep_run
 
 
 @dataclass(frozen=True)
@@ -29,35 +27,35 @@ class Cluster:
     backend: str
 
 
+def local_num_cpus(cluster: ClusterParams, engines: EngineParams, with_policy: bool) -> int:
+    """Logical CPUs of a local Ray: the run's, else enough for the engines,
+    their spares and the policy (the CLI starts Ray with the same)."""
+    needed = (engines.num_engines + engines.spare_engines) * engines.tensor_parallel_size
+    return cluster.local_num_cpus or max(os.cpu_count() or 1, needed + int(with_policy))
+
+
 @task(cache_policy=NO_CACHE, persist_result=False)
 def provision_cluster(
     *,
     scope: RunScope,
-    address: str | None,
-    local_num_cpus: int | None,
-    backend: str,
-    num_engines: int,
-    tensor_parallel_size: int,
+    cluster: ClusterParams,
+    engines: EngineParams,
     with_policy: bool = False,
     colocate: bool = False,
-    runtime_env: dict[str, Any] | None = None,
 ) -> Cluster:
-    """Start or connect to Ray; check that the engines (and the policy of an
-    on-policy run: one more GPU, or CPU; `colocate`: one GPU holds them all)
-    fit before anything is created."""
+    """Start or connect to Ray; check that the engines and their spares (and
+    the policy of an on-policy run: one more GPU, or CPU; `colocate`: one GPU
+    holds them all) fit before anything is created."""
     logger = get_run_logger()
-    needed = num_engines * tensor_parallel_size + int(with_policy)
-    started = connect(
-        address,
-        local_num_cpus or max(os.cpu_count() or 1, needed),
-        scope.namespace,
-        runtime_env,
-    )
+    num_engines = engines.num_engines + engines.spare_engines
+    needed = num_engines * engines.tensor_parallel_size + int(with_policy)
+    cpus = local_num_cpus(cluster, engines, with_policy)
+    started = connect(cluster.address, cpus, scope.namespace, cluster.runtime_env)
     try:
-        chosen = resolve_backend(backend)
+        chosen = resolve_backend(engines.backend)
         check_cluster_fits(
             1 if colocate else num_engines,
-            tensor_parallel_size,
+            engines.tensor_parallel_size,
             uses_gpu=ray.cluster_resources().get("GPU", 0) > 0,
         )
         if with_policy and not colocate:

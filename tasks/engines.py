@@ -13,14 +13,16 @@ from prefect.cache_policies import NO_CACHE
 from engines import (
     EngineFailure,
     EngineSet,
+    EngineSetSpec,
     EngineTimeoutError,
-    create_vllm_engines,
     destroy_engines,
+    start_engine_set,
 )
 from engines.client import get
 from tasks.cluster import Cluster
-from tasks.pool import EnginePool
-from tasks.scope import RunScope, sweep_run
+from tasks.run.params import EngineParams
+from tasks.run.pool import EnginePool
+from tasks.run.scope import RunScope, sweep_run
 
 # A result that `ray.wait` reported ready is fetched at once; the deadline only
 # guards against a pathological object store.
@@ -51,89 +53,62 @@ def resolve_model(model: str | None) -> str:
     return path
 
 
-@dataclass(frozen=True)
-class EngineRequest:
-    """The engines a run asks for, as `create_vllm_engines`' arguments."""
-
-    model: str
-    backend: str
-    num_engines: int
-    tensor_parallel_size: int
-    max_len: int
-    gpu_memory_utilization: float
-    seed: int
-    engine_kwargs: dict[str, Any] | None = None
-    spare_engines: int = 0
-    colocate_trainer: bool = False
-
-    def start(self, name_prefix: str | None = None, namespace: str | None = None) -> EngineSet:
-        return create_vllm_engines(
-            self.num_engines,
-            self.model,
-            self.max_len,
-            self.gpu_memory_utilization,
-            self.tensor_parallel_size,
-            self.seed,
-            backend=self.backend,
-            name_prefix=name_prefix,
-            namespace=namespace,
-            spare_engines=self.spare_engines,
-            colocate_trainer=self.colocate_trainer,
-            **(self.engine_kwargs or {}),
-        )
+def engine_spec(engines: EngineParams, **decided: Any) -> EngineSetSpec:
+    """The engine set of a run's engine section: every field the spec names
+    passes on as it is, so a new engine knob needs no edit here. `decided`:
+    what the run resolved (pretrain, backend) or takes from its other
+    sections (seed, placement)."""
+    given = {
+        name: value
+        for name, value in engines.model_dump().items()
+        if name in EngineSetSpec.model_fields
+    }
+    return EngineSetSpec(**{**given, **decided})
 
 
 @dataclass(frozen=True)
 class EarlyEngines:
-    request: EngineRequest
+    """A run's engines started before its flow: the CLI starts them on the
+    local Ray it started, while Prefect's server comes up, and passes them to
+    the flow. Their names are their own (the flow run's id is not known
+    yet); they end with that local Ray."""
+
+    spec: EngineSetSpec
     engines: EngineSet
     started_at: float  # time.monotonic() when they were created
 
 
-# The engines this process started before its flow (the CLI's, at most one
-# set): `create_engines` takes them when it asks for the same.
-_early: EarlyEngines | None = None
+def start_early(spec: EngineSetSpec) -> EarlyEngines:
+    return EarlyEngines(spec, start_engine_set(spec), time.monotonic())
 
 
-def start_early(request: EngineRequest) -> EngineSet:
-    """Start a run's engines before its flow runs: the CLI does, on the local
-    Ray it started, while Prefect's server comes up. Their names are their own
-    (the flow run's id is not known yet); they end with that local Ray."""
-    global _early
-    if _early is not None:
-        raise RuntimeError("engines were already started early in this process")
-    engines = request.start()
-    _early = EarlyEngines(request, engines, time.monotonic())
-    return engines
-
-
-def take_early(request: EngineRequest) -> EarlyEngines | None:
-    """The early engines if they are what `request` asks for; others are
-    destroyed. Either way there are none left to take."""
-    global _early
-    early, _early = _early, None
-    if early is None:
-        return None
-    if early.request != request:
-        destroy_engines(early.engines)
-        return None
-    return early
+def take_early(early: EarlyEngines | None, spec: EngineSetSpec) -> EarlyEngines | None:
+    """`early` if they are what `spec` asks for; others are destroyed."""
+    if early is None or early.spec == spec:
+        return early
+    destroy_engines(early.engines)
+    return None
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def create_engines(*, scope: RunScope, request: EngineRequest) -> EnginePool:
-    """Start the engines, and `request.spare_engines` warm spares (returns at
-    once; `wait_until_ready` waits for them), or take the ones the CLI
-    started early for the same request."""
+def create_engines(
+    *, scope: RunScope, spec: EngineSetSpec, early: EarlyEngines | None = None
+) -> EnginePool:
+    """Start the engines, and `spec.spare_engines` warm spares (returns at
+    once; `wait_until_ready` waits for them), named for the run, or take
+    `early` (the CLI's) when they are what `spec` asks for; others are
+    destroyed."""
     logger = get_run_logger()
-    if early := take_early(request):
+    if early := take_early(early, spec):
         logger.info(
             "using %s, started %.1f s ago while Prefect came up",
             early.engines.names,
             time.monotonic() - early.started_at,
         )
         return EnginePool(early.engines, started_at=early.started_at)
-    engines = request.start(scope.name_prefix, scope.namespace)
+    engines = start_engine_set(
+        spec.model_copy(update={"name_prefix": scope.name_prefix, "namespace": scope.namespace})
+    )
     logger.info("starting %s in namespace %s", engines.names, engines.namespace)
     return EnginePool(engines)
 

@@ -14,13 +14,14 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import SamplingParams
 from engines.client import get
-from tasks.dispatch import run_shards
 from tasks.engines import retry_on_engine_failure, wait_ready
-from tasks.pool import EnginePool
-from tasks.progress import IterationProgress
-from tasks.prompts import PromptRecord, Prompts
-from tasks.records import request_seed, rows_for, with_input
-from tasks.shards import Shard, ShardStore, plan_shards
+from tasks.run.dispatch import run_shards
+from tasks.run.params import ClusterParams, OutputParams
+from tasks.run.pool import EnginePool
+from tasks.run.progress import IterationProgress
+from tasks.run.prompts import PromptRecord, Prompts
+from tasks.run.records import request_seed, rows_for, with_input
+from tasks.run.shards import Shard, ShardStore, plan_shards
 from training.grpo import group_advantages
 from training.rewards import RewardInput, score_remote
 
@@ -33,11 +34,9 @@ class GenerationPlan:
     iteration: int
     sampling: SamplingParams
     base_seed: int
-    shard_size: int
-    output_format: str
-    shards_per_engine: int
-    request_timeout_s: float
-    ready_timeout_s: float
+    output: OutputParams
+    #: Shards per engine and the deadlines of a shard and of a replacement.
+    cluster: ClusterParams
     #: Deadline for the reward on one shard.
     reward_timeout_s: float = 300.0
 
@@ -75,6 +74,97 @@ class PolicyLink:
         self.handle: Any = None
 
 
+class ShardWriter:
+    """Turns each finished shard's outputs into rows (scored first, with a
+    reward), writes them and counts what was generated."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        prompts: Prompts,
+        plan: GenerationPlan,
+        store: ShardStore,
+        progress: IterationProgress,
+        scorer: Any,
+        total: int,
+    ) -> None:
+        self.pool, self.prompts, self.plan, self.store = pool, prompts, plan, store
+        self.progress, self.scorer, self.total = progress, scorer, total
+        self.logger = get_run_logger()
+        self.done = self.rows = self.tokens = 0
+        self.reward_seconds = 0.0
+
+    def seed_of(self, prompt_index: int) -> int:
+        plan = self.plan
+        return request_seed(plan.base_seed, plan.iteration, prompt_index, len(self.prompts))
+
+    def submit(self, engine: int, shard: Shard) -> list:
+        handle = self.pool.engines[engine]
+        return [
+            handle.generate_text.remote(
+                self.prompts.records[i].prompt,
+                self.plan.sampling.model_copy(update={"seed": self.seed_of(i)}),
+            )
+            for i in range(shard.start, shard.stop)
+        ]
+
+    def on_done(self, shard: Shard, engine: int, results: list, seconds: float) -> None:
+        plan = self.plan
+        rows, inputs = [], []
+        for i, output in zip(range(shard.start, shard.stop), results, strict=True):
+            record = self.prompts.records[i]
+            for row in rows_for(
+                output,
+                iteration=plan.iteration,
+                prompt_index=i,
+                prompt=record.prompt,
+                seed=self.seed_of(i),
+                with_logprobs=plan.sampling.logprobs is not None,
+            ):
+                rows.append(with_input(row, record))
+                inputs.append(record)
+        if self.scorer is not None:
+            started = time.monotonic()
+            add_rewards(rows, inputs, self.scorer, plan.reward_timeout_s)
+            self.reward_seconds += time.monotonic() - started
+        self.store.write(shard, rows)
+        tokens = sum(len(row["response_token_ids"]) for row in rows)
+        stats = self.pool.stats[engine]
+        stats.prompts += len(shard)
+        stats.samples += len(rows)
+        stats.tokens += tokens
+        self.done += 1
+        self.rows += len(rows)
+        self.tokens += tokens
+        self.progress.written(len(rows), tokens, restarts(self.pool))
+        self.logger.info(
+            "iteration %d: shard %d written by %s in %.1fs (%d/%d)",
+            plan.iteration,
+            shard.index,
+            self.pool.name(engine),
+            seconds,
+            self.done,
+            self.total,
+        )
+
+
+def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | None) -> None:
+    """A retry after an engine failure: the dead engine is replaced first (a
+    warm spare woken, or a new engine on its bundle) and must be up, and
+    serve the policy's current weights, before it gets work. A generation
+    running beside this one waits here (its replacement's three steps each
+    have the ready deadline), then finds the engine replaced."""
+    logger = get_run_logger()
+    timeout_s = plan.cluster.ready_timeout_s
+    with pool.replacement(logger, timeout_s, 3 * timeout_s) as replaced:
+        if replaced:
+            wait_ready(pool, timeout_s)
+        if replaced and policy is not None and policy.handle is not None:
+            sync = policy.handle.sync_weights.remote(list(pool.engines), reconnect=True)
+            report = get(sync, timeout_s)
+            logger.info("replacement engine synced to weight version %d", report.version)
+
+
 @task(
     cache_policy=NO_CACHE,
     persist_result=False,
@@ -92,95 +182,30 @@ def generate_rollouts(
     """`policy`: the trainer of an on-policy run; a replacement engine gets its
     current weights before any work, so it never serves an older version.
     `scorer`: a `RewardScorer` actor scoring each shard before it is written."""
-    logger = get_run_logger()
     began = time.monotonic()
-    # A retry after an engine failure: the dead engine is replaced first (a
-    # warm spare woken, or a new engine on its bundle) and must be up, and
-    # serve the policy's current weights, before it gets work. A generation
-    # running beside this one waits here (its replacement's three steps each
-    # have the ready deadline), then finds the engine replaced.
-    with pool.replacement(logger, plan.ready_timeout_s, 3 * plan.ready_timeout_s) as replaced:
-        if replaced:
-            wait_ready(pool, plan.ready_timeout_s)
-        if replaced and policy is not None and policy.handle is not None:
-            sync = policy.handle.sync_weights.remote(list(pool.engines), reconnect=True)
-            report = get(sync, plan.ready_timeout_s)
-            logger.info("replacement engine synced to weight version %d", report.version)
-
-    store = ShardStore(plan.directory, plan.output_format, prompts.columns)
+    replace_failed(pool, plan, policy)
+    store = ShardStore(plan.directory, plan.output.output_format, prompts.columns)
     store.remove_partial_files()
-    shards = plan_shards(len(prompts), plan.shard_size)
+    shards = plan_shards(len(prompts), plan.output.shard_size)
     todo = [shard for shard in shards if not store.is_done(shard)]
-    done = len(shards) - len(todo)
-    if done:
-        logger.info(
-            "iteration %d: %d of %d shards already written", plan.iteration, done, len(shards)
+    writer = ShardWriter(pool, prompts, plan, store, progress, scorer, total=len(shards))
+    writer.done = len(shards) - len(todo)
+    if writer.done:
+        get_run_logger().info(
+            "iteration %d: %d of %d shards already written",
+            plan.iteration,
+            writer.done,
+            len(shards),
         )
     reused_rows = (len(prompts) - sum(len(shard) for shard in todo)) * plan.sampling.n
     progress.reused(reused_rows, restarts(pool))
-    generated_rows = generated_tokens = 0
-
-    def submit(engine: int, shard: Shard) -> list:
-        handle = pool.engines[engine]
-        return [
-            handle.generate_text.remote(
-                prompts.records[i].prompt,
-                plan.sampling.model_copy(update={"seed": seed_of(i)}),
-            )
-            for i in range(shard.start, shard.stop)
-        ]
-
-    def seed_of(prompt_index: int) -> int:
-        return request_seed(plan.base_seed, plan.iteration, prompt_index, len(prompts))
-
-    reward_seconds = 0.0
-
-    def on_done(shard: Shard, engine: int, results: list, seconds: float) -> None:
-        nonlocal done, reward_seconds, generated_rows, generated_tokens
-        rows, inputs = [], []
-        for i, output in zip(range(shard.start, shard.stop), results, strict=True):
-            record = prompts.records[i]
-            for row in rows_for(
-                output,
-                iteration=plan.iteration,
-                prompt_index=i,
-                prompt=record.prompt,
-                seed=seed_of(i),
-                with_logprobs=plan.sampling.logprobs is not None,
-            ):
-                rows.append(with_input(row, record))
-                inputs.append(record)
-        if scorer is not None:
-            started = time.monotonic()
-            add_rewards(rows, inputs, scorer, plan.reward_timeout_s)
-            reward_seconds += time.monotonic() - started
-        store.write(shard, rows)
-        stats = pool.stats[engine]
-        stats.prompts += len(shard)
-        stats.samples += len(rows)
-        tokens = sum(len(row["response_token_ids"]) for row in rows)
-        stats.tokens += tokens
-        done += 1
-        generated_rows += len(rows)
-        generated_tokens += tokens
-        progress.written(len(rows), tokens, restarts(pool))
-        logger.info(
-            "iteration %d: shard %d written by %s in %.1fs (%d/%d)",
-            plan.iteration,
-            shard.index,
-            pool.name(engine),
-            seconds,
-            done,
-            len(shards),
-        )
-
     run_shards(
         pool,
         todo,
-        submit,
-        on_done,
-        per_engine=plan.shards_per_engine,
-        timeout_s=plan.request_timeout_s,
+        writer.submit,
+        writer.on_done,
+        per_engine=plan.cluster.shards_per_engine,
+        timeout_s=plan.cluster.request_timeout_s,
     )
     return IterationReport(
         iteration=plan.iteration,
@@ -189,9 +214,9 @@ def generate_rollouts(
         shards_skipped=len(shards) - len(todo),
         rows=len(prompts) * plan.sampling.n,
         seconds=round(time.monotonic() - began, 2),
-        generated_rows=generated_rows,
-        generated_tokens=generated_tokens,
-        reward_seconds=round(reward_seconds, 3),
+        generated_rows=writer.rows,
+        generated_tokens=writer.tokens,
+        reward_seconds=round(writer.reward_seconds, 3),
     )
 
 

@@ -15,7 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engines.client import get
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 from training.rollouts import groups_from_rows
 from training.trainer import StepReport
 

@@ -8,7 +8,6 @@ from training.rollouts import (
     RolloutGroup,
     RolloutSample,
     StaleRolloutError,
-    groups_from_outputs,
     groups_from_rows,
 )
 from training.trainer import Trainer
@@ -19,7 +18,6 @@ __all__ = [
     "RolloutSample",
     "StaleRolloutError",
     "Trainer",
-    "groups_from_outputs",
     "groups_from_rows",
     "load_reward",
 ]

@@ -47,34 +47,9 @@ class RolloutGroup(BaseModel):
         return [float(s.reward) for s in self.samples]
 
 
-def groups_from_outputs(outputs: list[Any]) -> list[RolloutGroup]:
-    """One group per `RequestOutput` (its `n` completions), not yet scored."""
-    groups = []
-    for output in outputs:
-        samples = []
-        for completion in output.outputs:
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = [
-                    float(step[tok].logprob)
-                    for step, tok in zip(completion.logprobs, completion.token_ids, strict=True)
-                ]
-            samples.append(
-                RolloutSample(
-                    prompt_token_ids=list(output.prompt_token_ids),
-                    completion_token_ids=list(completion.token_ids),
-                    completion_text=completion.text,
-                    logprobs=logprobs,
-                    weight_version=output.weight_version,
-                )
-            )
-        groups.append(RolloutGroup(samples=samples))
-    return groups
-
-
 def groups_from_rows(rows: list[dict[str, Any]]) -> list[RolloutGroup]:
     """One group per prompt from the rollout rows the flow writes (columns of
-    `tasks/records.py`: prompt_index, sample_index, prompt_token_ids,
+    `tasks/run/records.py`: prompt_index, sample_index, prompt_token_ids,
     response_token_ids, response, logprobs, weight_version, reward)."""
     by_prompt: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
@@ -95,8 +70,3 @@ def groups_from_rows(rows: list[dict[str, Any]]) -> list[RolloutGroup]:
             )
         groups.append(RolloutGroup(samples=samples))
     return groups
-
-
-def mean_reward(groups: list[RolloutGroup]) -> float:
-    rewards = [r for g in groups for r in g.rewards]
-    return sum(rewards) / len(rewards)

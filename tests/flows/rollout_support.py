@@ -11,6 +11,8 @@ import ray
 from faults import end_generation_thread
 from waiting import wait_until
 
+from flows.params import RolloutParams, sectioned
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = REPO / "data" / "prompts.jsonl"
 NUM_PROMPTS = 32
@@ -34,6 +36,11 @@ def small_run(model: str, output_dir: Path, address: str | None = None, **overri
     if address:
         params["address"] = address
     return {**params, **overrides}
+
+
+def run_params(**values) -> RolloutParams:
+    """The run's parameters from fields given by name, as the CLI's flags."""
+    return RolloutParams.model_validate(sectioned(values))
 
 
 def long_run(model: str, output_dir: Path, address: str | None = None, **overrides) -> dict:

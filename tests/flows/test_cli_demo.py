@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from rollout_support import REPO, rows_by_prompt
 
-from flows.cli import DEMO_PRESET
-from tasks.shards import read_rows
+from flows.arguments import DEMO_PRESET
+from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +41,12 @@ def test_cli_demo_teaches_and_says_where_everything_is(tiny_model, tmp_path):
         timeout=400,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    iterations = DEMO_PRESET["iterations"]
+    iterations = DEMO_PRESET["training"]["iterations"]
     assert len(re.findall(r"^iteration \d+: mean reward", done.stdout, re.M)) == iterations
     match = re.search(r"(\d+) rollouts written to (\S+)", done.stdout)
     assert match, done.stdout[-2000:]
-    prompts = len(Path(DEMO_PRESET["prompts_path"]).read_text().splitlines())
-    samples = DEMO_PRESET["n"]
+    prompts = len(Path(DEMO_PRESET["data"]["prompts_path"]).read_text().splitlines())
+    samples = DEMO_PRESET["sampling"]["n"]
     assert int(match.group(1)) == prompts * samples * iterations
     run_dir = elsewhere / match.group(2)
     assert run_dir.is_relative_to(elsewhere / "out")

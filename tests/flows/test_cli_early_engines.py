@@ -9,8 +9,9 @@ import pytest
 import ray
 
 import tasks.engines as engines_tasks
-from flows.cli import checked_model, parse_params, start_engines_early
-from flows.rollout import engine_request
+from flows.arguments import parse_params
+from flows.cli import checked_model, start_engines_early
+from flows.rollout import engine_set
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +33,7 @@ def test_the_run_s_engines_start_early(started, tiny_model):
     params = parse_params(["--model", tiny_model])
     assert checked_model(params) == tiny_model
     start_engines_early(params, tiny_model)
-    assert started == [engine_request(params, tiny_model, "hf")]
+    assert started == [engine_set(params, tiny_model, "hf")]
 
 
 @pytest.mark.parametrize(

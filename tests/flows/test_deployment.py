@@ -42,7 +42,8 @@ from rollout_support import (
 )
 from waiting import wait_until
 
-from tasks.shards import read_rows
+from flows.params import sectioned
+from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,8 @@ class Server:
         return done
 
     def run_deployment(self, params: dict) -> str:
-        done = self.cli("deployment", "run", DEPLOYMENT, "--params", json.dumps({"params": params}))
+        flow_params = json.dumps({"params": sectioned(params)})
+        done = self.cli("deployment", "run", DEPLOYMENT, "--params", flow_params)
         return re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1)
 
     def start_worker(self, name: str, *, run_once: bool = True) -> subprocess.Popen:
@@ -193,14 +195,20 @@ def test_deployments_from_prefect_yaml(server):
             ["prefect.deployments.steps.git_clone"],
             ["prefect.deployments.steps.set_working_directory"],
         ]
-    assert nightly.parameters["params"]["num_engines"] == 8
+    assert nightly.parameters["params"]["engines"]["num_engines"] == 8
 
 
 def test_invalid_parameters_are_rejected_by_the_server(server):
-    done = server.cli(
-        "deployment", "run", DEPLOYMENT, "--params", '{"params": {"num_engines": 0}}', check=False
-    )
-    assert "params.num_engines" in done.stdout + done.stderr
+    invalid = '{"params": {"engines": {"num_engines": 0}}}'
+    done = server.cli("deployment", "run", DEPLOYMENT, "--params", invalid, check=False)
+    assert "params.engines.num_engines" in done.stdout + done.stderr
+    assert "Created flow run" not in done.stdout
+
+
+def test_parameters_of_the_flat_shape_are_rejected_by_the_server(server):
+    flat = '{"params": {"num_engines": 4}}'
+    done = server.cli("deployment", "run", DEPLOYMENT, "--params", flat, check=False)
+    assert "num_engines" in done.stdout + done.stderr
     assert "Created flow run" not in done.stdout
 
 

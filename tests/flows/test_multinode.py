@@ -24,15 +24,15 @@ from rollout_support import (
     nothing_left,
     rows_by_prompt,
     run_dirs,
+    run_params,
     small_run,
     written_shards,
 )
 from waiting import wait_until
 
 from engines.errors import EngineDeadError
-from flows.params import RolloutParams
 from flows.rollout import rollout
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.slow
 #: A reward that makes a run on-policy (a policy trains between iterations).
@@ -100,7 +100,7 @@ def test_nodes_cannot_import_rolloutflow_without_the_runtime_env(driver):
 
 def test_flow_ships_its_code_and_runs_engines_on_the_workers(driver, tiny_model, tmp_path):
     state = rollout(
-        RolloutParams(**small_run(tiny_model, tmp_path, address=driver.address)),
+        run_params(**small_run(tiny_model, tmp_path, address=driver.address)),
         return_state=True,
     )
     assert state.is_completed(), state.message
@@ -134,13 +134,13 @@ def test_worker_node_lost_mid_generation(driver, tiny_model, tmp_path):
 
     # Connected first, so the killer can look at the actors; the run keeps
     # this connection (and ships no code: the test does it here).
-    from tasks.connection import code_runtime_env
+    from tasks.run.connection import code_runtime_env
 
     ray.init(address=driver.address, runtime_env=code_runtime_env())
     killer = threading.Thread(target=kill_engines_node, daemon=True)
     killer.start()
     state = rollout(
-        RolloutParams(**long_run(tiny_model, tmp_path, address=driver.address, max_tokens=40)),
+        run_params(**long_run(tiny_model, tmp_path, address=driver.address, max_tokens=40)),
         return_state=True,
     )
     killer.join(timeout=30)
@@ -159,7 +159,7 @@ def test_policy_node_lost_fails_the_run_and_sweeps_it(driver, tiny_model, tmp_pa
     CPUs hold the engines, a one-CPU "trainer" node is the only room left for
     the policy. That node dies mid-generation: the run fails with an error
     naming the policy, and nothing of the run is left on the cluster."""
-    from tasks.connection import code_runtime_env
+    from tasks.run.connection import code_runtime_env
 
     ray.init(address=driver.address, runtime_env=code_runtime_env())
     # One engine worker (the node-loss test above leaves one; alone, this ends one).
@@ -184,7 +184,7 @@ def test_policy_node_lost_fails_the_run_and_sweeps_it(driver, tiny_model, tmp_pa
     params = long_run(
         tiny_model, tmp_path, address=driver.address, max_tokens=16, iterations=2, reward=REWARD
     )
-    state = rollout(RolloutParams(**params), return_state=True)
+    state = rollout(run_params(**params), return_state=True)
     killer.join(timeout=30)
     assert "ReferencePolicy" in killed, killed
     assert state.is_failed(), state.message

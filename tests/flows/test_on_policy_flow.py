@@ -16,6 +16,7 @@ from rollout_support import (
     nothing_left,
     rows_by_prompt,
     run_dirs,
+    run_params,
     small_run,
     written_shards,
 )
@@ -24,8 +25,8 @@ from waiting import wait_until
 
 from flows.params import RolloutParams
 from flows.rollout import rollout
-from tasks.artifacts import ENGINES_KEY
-from tasks.shards import read_rows
+from tasks.run.artifacts import ENGINES_KEY
+from tasks.run.shards import read_rows
 
 REWARD = "training.rewards:target_chars_fraction"
 #: The README's on-policy example (its flags, as RolloutParams fields).
@@ -50,7 +51,7 @@ def on_policy_run(model, output_dir, **overrides) -> RolloutParams:
         "shard_size": 16,
         **overrides,
     }
-    return RolloutParams(**small_run(model, output_dir, **settings))
+    return run_params(**small_run(model, output_dir, **settings))
 
 
 def killable_run(model, output_dir, **overrides) -> RolloutParams:
@@ -189,7 +190,7 @@ def test_letter_task_learns_and_rows_carry_reward_label_and_id(ray_local, tiny_m
     import datasets
     import pandas
 
-    params = RolloutParams(
+    params = run_params(
         **{**small_run(tiny_model, tmp_path), "output_format": "parquet", **LETTER_TASK}
     )
     state = rollout(params, return_state=True)
@@ -229,7 +230,7 @@ def staleness_of_rows(run_dir, iterations: int) -> dict[int, int]:
 
 
 def test_overlap_learns_the_letter_task_within_the_staleness_bound(ray_local, tiny_model, tmp_path):
-    params = RolloutParams(**{**small_run(tiny_model, tmp_path), **LETTER_TASK}, schedule="overlap")
+    params = run_params(**{**small_run(tiny_model, tmp_path), **LETTER_TASK}, schedule="overlap")
     state = rollout(params, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()

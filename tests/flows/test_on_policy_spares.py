@@ -12,7 +12,7 @@ from rollout_support import kill_during_iteration, nothing_left, rows_by_prompt
 from test_on_policy_flow import engine_rows, killable_run
 
 from flows.rollout import rollout
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 
 
 def test_killed_engine_is_replaced_by_the_synced_spare(ray_local, tiny_model, tmp_path):

@@ -21,15 +21,15 @@ from rollout_support import (
     nothing_left,
     rows_by_prompt,
     run_dirs,
+    run_params,
     small_run,
     written_shards,
 )
 from waiting import wait_until
 
-from flows.params import RolloutParams
 from flows.rollout import rollout
-from tasks.prompts import PromptsFileError
-from tasks.shards import read_rows
+from tasks.run.prompts import PromptsFileError
+from tasks.run.shards import read_rows
 
 
 def artifacts_of(flow_run_id) -> dict[str, list]:
@@ -50,7 +50,7 @@ def engine_table(flow_run_id) -> list[dict]:
 
 
 def test_flow_writes_every_rollout_once(ray_local, tiny_model, tmp_path):
-    params = RolloutParams(
+    params = run_params(
         **small_run(tiny_model, tmp_path, iterations=2, logprobs=1, output_format="parquet")
     )
     state = rollout(params, return_state=True)
@@ -113,7 +113,7 @@ def test_engines_killed_at_start_and_mid_generation(ray_local, tiny_model, tmp_p
     killed: list[str] = []
     killer = threading.Thread(target=kill_two_engines, daemon=True)
     killer.start()
-    state = rollout(RolloutParams(**long_run(tiny_model, tmp_path)), return_state=True)
+    state = rollout(run_params(**long_run(tiny_model, tmp_path)), return_state=True)
     killer.join(timeout=5)
     assert state.is_completed(), state.message
     flow_run_id = str(state.state_details.flow_run_id)
@@ -141,7 +141,7 @@ def test_bad_prompts_file_fails_before_anything_starts(ray_local, tmp_path, cont
     bad = tmp_path / "prompts.jsonl"
     bad.write_text(content)
     before = ray.util.list_named_actors(all_namespaces=True)
-    params = RolloutParams(prompts_path=str(bad), output_dir=str(tmp_path / "out"))
+    params = run_params(prompts_path=str(bad), output_dir=str(tmp_path / "out"))
     with pytest.raises(PromptsFileError, match=re.escape(message.format(path=bad))):
         rollout(params)
     assert ray.util.list_named_actors(all_namespaces=True) == before
@@ -150,6 +150,12 @@ def test_bad_prompts_file_fails_before_anything_starts(ray_local, tmp_path, cont
 
 def test_invalid_parameters_name_the_field(tmp_path):
     with pytest.raises(Exception, match="num_engines") as info:
-        rollout(params={"num_engines": 0, "output_dir": str(tmp_path)})
+        rollout(params={"engines": {"num_engines": 0}, "output": {"output_dir": str(tmp_path)}})
     assert "greater than or equal to 1" in str(info.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_parameters_of_the_flat_shape_name_each_field_s_new_place(tmp_path):
+    with pytest.raises(Exception, match="num_engines -> engines.num_engines"):
+        rollout(params={"num_engines": 4, "output_dir": str(tmp_path)})
     assert not any(tmp_path.iterdir())

@@ -8,19 +8,18 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from rollout_support import small_run
+from rollout_support import run_params, small_run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_rollout_flow import artifacts_of
 
-from flows.params import RolloutParams
 from flows.rollout import rollout
-from tasks.loggers import TENSORBOARD_DIR
+from tasks.run.loggers import TENSORBOARD_DIR
 
 REWARD = "training.rewards:target_chars_fraction"
 
 
 def test_on_policy_run_logs_a_point_per_iteration_per_metric(ray_local, tiny_model, tmp_path):
-    params = RolloutParams(
+    params = run_params(
         **small_run(
             tiny_model,
             tmp_path,

@@ -242,7 +242,7 @@ def test_idle_seconds_of_engines_and_policy():
 
 
 def test_a_plain_run_only_generates():
-    pipeline = Pipeline(2, trains=False)
+    pipeline = Pipeline(2, "sync", 0, trains=False)
     pipeline.start(0.0)
     assert drain(pipeline) == ["gen 0", "/gen 0", "gen 1", "/gen 1"]
 

@@ -9,11 +9,10 @@ import json
 import re
 
 import pytest
-from rollout_support import REPO, nothing_left, run_dirs, small_run
+from rollout_support import REPO, nothing_left, run_dirs, run_params, small_run
 
-from flows.params import RolloutParams
 from flows.rollout import rollout
-from tasks.prompts import PromptsFileError
+from tasks.run.prompts import PromptsFileError
 from training.rewards import RewardError
 
 LETTERS = REPO / "data" / "letter_task.jsonl"
@@ -21,7 +20,7 @@ LETTERS = REPO / "data" / "letter_task.jsonl"
 
 def run(model, tmp_path, **overrides):
     task = {"prompts_path": str(LETTERS), "label_field": "answer", "id_field": "id"}
-    params = RolloutParams(
+    params = run_params(
         **small_run(model, tmp_path / "out", **{**task, "num_engines": 1, **overrides})
     )
     state = rollout(params, return_state=True)
@@ -83,11 +82,11 @@ def test_a_bad_reward_fails_the_run_naming_the_sample(
 def test_score_only_run_scores_rows_and_starts_no_policy(ray_local, tiny_model, tmp_path):
     """`train=False`: an evaluation run; rows carry the verifier's rewards and
     no policy actor is started (the flow's resources need no policy slot)."""
-    from tasks.shards import read_rows
+    from tasks.run.shards import read_rows
     from training.letter_task import score_one
 
     task = {"prompts_path": str(LETTERS), "label_field": "answer", "id_field": "id"}
-    params = RolloutParams(
+    params = run_params(
         **small_run(
             tiny_model,
             tmp_path / "out",

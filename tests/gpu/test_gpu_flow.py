@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from gpu_helpers import wait_gpus_released
 
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.gpu
 

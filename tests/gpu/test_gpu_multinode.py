@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from gpu_helpers import READY_TIMEOUT_S, kill_engine_core, wait_gpus_released
 
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def run_killing_engine_0(
     """A run with one engine and `spares` warm spares whose engine is killed
     once `iteration` wrote its first shard: its actor, or (`core_only`) only
     vLLM's engine-core process, by SIGKILL. Returns (state, the engine's name)."""
-    from flows.params import RolloutParams
+    from flows.params import RolloutParams, sectioned
     from flows.rollout import rollout
 
     killed: list[str] = []
@@ -70,7 +70,7 @@ def run_killing_engine_0(
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
-    params = RolloutParams(
+    fields = dict(
         prompts_path=str(ROOT / "data" / "prompts.jsonl"),
         backend="vllm",
         output_dir=str(out),
@@ -88,6 +88,7 @@ def run_killing_engine_0(
         ready_timeout_s=READY_TIMEOUT_S,
         **settings,
     )
+    params = RolloutParams.model_validate(sectioned(fields))
     state = rollout(params, return_state=True)
     killer.join(timeout=5)
     assert state.is_completed(), state.message
@@ -101,7 +102,7 @@ def engine_row(state, name: str, replaced_by: str, within_s: float) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from tasks.artifacts import ENGINES_KEY
+    from tasks.run.artifacts import ENGINES_KEY
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(

@@ -10,7 +10,7 @@ import pytest
 from gpu_helpers import wait_gpus_released
 from test_gpu_flow import run_flow_cli
 
-from tasks.shards import read_rows
+from tasks.run.shards import read_rows
 from training.grpo import group_advantages
 from training.letter_task import make_rows, score_one
 

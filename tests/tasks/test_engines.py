@@ -1,42 +1,48 @@
-"""The engines a process starts before its flow (the CLI's early start), and
-`create_engines` taking them. Engine creation is faked here: the CLI demo
-test runs the real thing."""
+"""The engine-set spec of a run's engine section, the engines the CLI starts
+before its flow (passed to it), and `create_engines` taking them. Engine
+creation is faked here: the CLI demo test runs the real thing."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
 import tasks.engines as engines_tasks
-from tasks.engines import EngineRequest, start_early, take_early
-
-REQUEST = EngineRequest(
-    model="/models/tiny",
-    backend="hf",
-    num_engines=2,
-    tensor_parallel_size=1,
-    max_len=256,
-    gpu_memory_utilization=0.9,
-    seed=42,
-    engine_kwargs={"dtype": "float32"},
-)
+from engines import EngineSetSpec, Placement, PlacementMode
+from tasks.engines import engine_spec, start_early, take_early
+from tasks.run.params import EngineParams
 
 
 @pytest.fixture
-def created(monkeypatch) -> list[tuple]:
-    """What `create_vllm_engines` was asked for (each call's arguments); the
-    fake "engine set" it returns is its call's index. `destroyed` lists the
-    sets destroyed."""
-    calls: list[tuple] = []
-    monkeypatch.setattr(engines_tasks, "_early", None)
+def model_dir(tmp_path) -> str:
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
 
-    def create(*args, **kwargs):
-        calls.append((args, kwargs))
-        return len(calls) - 1
 
-    monkeypatch.setattr(engines_tasks, "create_vllm_engines", create)
-    return calls
+@pytest.fixture
+def spec(model_dir) -> EngineSetSpec:
+    return EngineSetSpec(
+        pretrain=model_dir,
+        backend="hf",
+        num_engines=2,
+        max_len=256,
+        gpu_memory_utilization=0.9,
+        seed=42,
+        engine_kwargs={"dtype": "float32"},
+    )
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[EngineSetSpec]:
+    """The specs `start_engine_set` was asked to start; the fake "engine
+    set" it returns is its call's index."""
+    specs: list[EngineSetSpec] = []
+
+    def start(spec):
+        specs.append(spec)
+        return len(specs) - 1
+
+    monkeypatch.setattr(engines_tasks, "start_engine_set", start)
+    return specs
 
 
 @pytest.fixture
@@ -46,25 +52,12 @@ def destroyed(monkeypatch) -> list:
     return sets
 
 
-def test_the_request_starts_what_it_names(created):
-    REQUEST.start("rf-run-a1", "rolloutflow-run")
-    ((args, kwargs),) = created
-    assert args == (2, "/models/tiny", 256, 0.9, 1, 42)
-    assert kwargs == dict(
-        backend="hf",
-        name_prefix="rf-run-a1",
-        namespace="rolloutflow-run",
-        spare_engines=0,
-        colocate_trainer=False,
-        dtype="float32",
-    )
-
-
-def test_the_flow_takes_the_engines_started_early_for_its_request(created, destroyed):
-    engines = start_early(REQUEST)
-    early = take_early(dataclasses.replace(REQUEST, engine_kwargs={"dtype": "float32"}))
-    assert early is not None and early.engines == engines
-    assert take_early(REQUEST) is None  # taken once
+def test_the_flow_takes_the_engines_started_early_for_its_spec(spec, started, destroyed):
+    early = start_early(spec)
+    assert started == [spec]
+    taken = take_early(early, spec.model_copy(update={"engine_kwargs": {"dtype": "float32"}}))
+    assert taken is not None and taken.engines == early.engines
+    assert take_early(None, spec) is None
     assert destroyed == []
 
 
@@ -73,20 +66,24 @@ def test_the_flow_takes_the_engines_started_early_for_its_request(created, destr
     [
         {"seed": 43},
         {"num_engines": 1},
-        {"engine_kwargs": None},
+        {"engine_kwargs": {}},
         {"spare_engines": 1},
-        {"colocate_trainer": True},
+        {"placement": Placement(PlacementMode.WITH_TRAINER)},
     ],
 )
-def test_early_engines_for_another_request_are_destroyed(created, destroyed, change):
-    engines = start_early(REQUEST)
-    assert take_early(dataclasses.replace(REQUEST, **change)) is None
-    assert destroyed == [engines]
-    assert take_early(REQUEST) is None
+def test_early_engines_for_another_spec_are_destroyed(spec, started, destroyed, change):
+    early = start_early(spec)
+    assert take_early(early, spec.model_copy(update=change)) is None
+    assert destroyed == [early.engines]
 
 
-def test_one_early_start_per_process(created):
-    start_early(REQUEST)
-    with pytest.raises(RuntimeError, match="already started early"):
-        start_early(REQUEST)
-    assert len(created) == 1
+def test_every_field_of_the_engine_section_reaches_the_spec(spec, model_dir):
+    section = EngineParams(
+        num_engines=2,
+        max_len=256,
+        gpu_memory_utilization=0.9,
+        engine_kwargs={"dtype": "float32"},
+    )
+    assert engine_spec(section, pretrain=model_dir, backend="hf", seed=42) == spec
+    # `model` is the section's name for the spec's `pretrain` (resolved first).
+    assert set(EngineParams.model_fields) - set(EngineSetSpec.model_fields) == {"model"}

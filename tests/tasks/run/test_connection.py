@@ -1,5 +1,5 @@
 """The runtime_env a run gives its job on a cluster, and the local Ray a run
-starts (tasks/connection.py)."""
+starts (tasks/run/connection.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import engines
-from tasks.connection import EXCLUDES, PACKAGES, RAY_JOB_CONFIG, code_runtime_env
+from tasks.run.connection import EXCLUDES, PACKAGES, RAY_JOB_CONFIG, code_runtime_env
 
 ROOT = Path(engines.__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_a_local_ray_prestarts_no_worker(tmp_path):
     workers only on demand (as the raylet reports its config)."""
     code = (
         "import ray\n"
-        "from tasks.connection import connect\n"
+        "from tasks.run.connection import connect\n"
         "assert connect(None, 2, 'test-cluster')\n"
         "print(ray._private.state.state.get_system_config()['prestart_worker_first_driver'])\n"
         "ray.shutdown()\n"

@@ -25,8 +25,8 @@ import ray
 from engines import EngineFailure, EngineTimeoutError, RequestError
 from engines.client import get
 from tasks.engines import FETCH_TIMEOUT_S
-from tasks.pool import EnginePool
-from tasks.shards import Shard
+from tasks.run.pool import EnginePool
+from tasks.run.shards import Shard
 
 
 @dataclass(eq=False)

@@ -15,9 +15,9 @@ import ray
 from engines import EngineDeadError, EngineSet, EngineTimeoutError, PromptTooLongError
 from engines.config import EngineConfig
 from engines.outputs import CompletionOutput, RequestOutput
-from tasks.dispatch import run_shards
-from tasks.pool import EnginePool
-from tasks.shards import plan_shards
+from tasks.run.dispatch import run_shards
+from tasks.run.pool import EnginePool
+from tasks.run.shards import plan_shards
 
 
 @ray.remote(num_cpus=0)

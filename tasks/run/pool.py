@@ -18,9 +18,15 @@ from dataclasses import asdict, dataclass
 
 import ray
 
-from engines import EngineDeadError, EngineSet, EngineTimeoutError
+from engines import (
+    EngineDeadError,
+    EngineSet,
+    EngineTimeoutError,
+    replace_engine,
+    restart_engine,
+    swap_in_spare,
+)
 from engines.client import get
-from engines.vllm_engine import replace_engine, restart_engine, swap_in_spare
 
 
 @dataclass

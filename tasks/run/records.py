@@ -106,5 +106,5 @@ def rows_for(
 
 def with_input(row: dict[str, Any], record: Any) -> dict[str, Any]:
     """`row` with its input row's id, label and metadata columns
-    (`record`: a `tasks.prompts.PromptRecord`)."""
+    (`record`: a `tasks.run.prompts.PromptRecord`)."""
     return {**row, "id": record.id, "label": record.label, **record.metadata}

@@ -10,7 +10,7 @@ from PIL import Image
 
 from engines.weight_sync import SyncReport
 from tasks.generate import IterationReport
-from tasks.report import (
+from tasks.run.report import (
     IterationMetrics,
     TrainingRow,
     compact,

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.prompts import PromptFields, PromptsFileError, is_json_text, read_prompts
+from tasks.run.prompts import PromptFields, PromptsFileError, is_json_text, read_prompts
 
-REPO_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts.jsonl"
+REPO_PROMPTS = Path(__file__).resolve().parents[3] / "data" / "prompts.jsonl"
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

@@ -8,7 +8,7 @@ import uuid
 import ray
 from ray.util.placement_group import placement_group
 
-from tasks.scope import RunScope, leftover_prefixes, sweep_run
+from tasks.run.scope import RunScope, leftover_prefixes, sweep_run
 
 
 @ray.remote(num_cpus=0)

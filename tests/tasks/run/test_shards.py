@@ -10,9 +10,9 @@ import os
 import pytest
 
 from engines.outputs import CompletionOutput, Logprob, RequestOutput
-from tasks.prompts import PromptRecord, column_types
-from tasks.records import rows_for, with_input
-from tasks.shards import (
+from tasks.run.prompts import PromptRecord, column_types
+from tasks.run.records import rows_for, with_input
+from tasks.run.shards import (
     OutputMismatchError,
     Shard,
     ShardStore,

@@ -50,7 +50,7 @@ def code_runtime_env(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     extra = dict(extra or {})
     if shipped_by_job():
         return extra
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     modules = [str(root / name) for name in PACKAGES]
     return {
         **extra,

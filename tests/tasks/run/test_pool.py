@@ -1,4 +1,4 @@
-"""The engine pool (tasks/pool.py): what it says when placement holds the
+"""The engine pool (tasks/run/pool.py): what it says when placement holds the
 engines back, and how generation tasks running side by side replace an
 engine: one at a time, the replacement serving only once it is synced."""
 
@@ -13,8 +13,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from engines import EngineSet
 from engines.errors import EngineDeadError, EngineTimeoutError
 from engines.placement import EnginePlacement
-from tasks import pool as pool_module
-from tasks.pool import EnginePool
+from tasks.run import pool as pool_module
+from tasks.run.pool import EnginePool
 
 LOGGER = logging.getLogger(__name__)
 

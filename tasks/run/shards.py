@@ -137,8 +137,8 @@ def write_parquet_atomically(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.prompts import is_json_text
-    from tasks.records import arrow_schema
+    from tasks.run.prompts import is_json_text
+    from tasks.run.records import arrow_schema
 
     schema = arrow_schema(input_columns)
     as_json = [field.name for field in schema if is_json_text(field)]

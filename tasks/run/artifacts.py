@@ -1,5 +1,5 @@
 """The run's Prefect artifacts: a per-engine table, a training table and a
-markdown summary (generation progress: tasks/progress.py)."""
+markdown summary (generation progress: tasks/run/progress.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import asdict
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks.pool import EnginePool
-from tasks.report import TrainingRow
+from tasks.run.pool import EnginePool
+from tasks.run.report import TrainingRow
 
 ENGINES_KEY = "rollout-engines"
 SUMMARY_KEY = "rollout-summary"

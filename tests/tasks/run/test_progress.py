@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 from rich.theme import Theme
 
-from tasks import progress as progress_module
-from tasks.progress import RunProgress
+from tasks.run import progress as progress_module
+from tasks.run.progress import RunProgress
 
 
 @pytest.fixture

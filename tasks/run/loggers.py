@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks.report import IterationMetrics
+from tasks.run.report import IterationMetrics
 
 TENSORBOARD_DIR = "tensorboard"
 #: Logger -> the package it needs and the extra that installs it.

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_report import on_policy
 
-from tasks.loggers import (
+from tasks.run.loggers import (
     TENSORBOARD_DIR,
     LoggerUnavailableError,
     check_logger,

@@ -1,0 +1,183 @@
+"""The rollout flow's iterations: generate (-> train -> weight sync) as the
+run's schedule interleaves them. flows/schedule.py decides; this submits
+the Prefect tasks and collects them, and keeps what each iteration made.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.futures import PrefectConcurrentFuture
+
+from engines.errors import EngineFailure
+from engines.weight_sync import SyncReport
+from engines.weight_sync.errors import WeightSyncError
+from flows.params import RolloutParams
+from flows.schedule import Pipeline
+from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
+from tasks.run.loggers import MetricsLogger
+from tasks.run.pool import EnginePool
+from tasks.run.progress import RunProgress
+from tasks.run.prompts import Prompts
+from tasks.run.report import IterationMetrics, TrainingRow
+from tasks.sync_weights import sync_weights
+from tasks.train import train_on_rollouts
+from training.trainer import StepReport
+
+#: How long the iteration loop waits on its tasks before it looks again.
+STOP_CHECK_S = 0.2
+
+
+@dataclass
+class Ledger:
+    """What the iterations produced, kept as they finish: a failed run still
+    publishes the rows of the iterations it completed."""
+
+    training: list[TrainingRow]
+    metrics: list[IterationMetrics]
+    metrics_logger: MetricsLogger | None = None
+    reports: dict[int, IterationReport] = field(default_factory=dict)
+    steps: dict[int, StepReport] = field(default_factory=dict)
+    #: Sync reports by the iteration whose step made the version they published.
+    syncs: dict[int, SyncReport] = field(default_factory=dict)
+
+    def close_iterations(self, pipeline: Pipeline) -> None:
+        """Add the rows of every iteration now complete (generated, and on an
+        on-policy run trained and its version served), in order."""
+        while (i := len(self.metrics)) in self.reports:
+            report, step = self.reports[i], self.steps.get(i)
+            if pipeline.trains and (step is None or pipeline.served <= i):
+                return
+            synced = self.syncs.get(i)
+            if step is not None:
+                self.training.append(
+                    TrainingRow.of(
+                        report,
+                        step,
+                        synced,
+                        engine_idle_s=pipeline.engine_idle_s[i],
+                        policy_idle_s=pipeline.policy_idle_s[i],
+                    )
+                )
+            self.metrics.append(IterationMetrics.of(report, step, synced))
+            if self.metrics_logger is not None:
+                self.metrics_logger.log(self.metrics[-1])
+
+
+def run_iterations(
+    params: RolloutParams,
+    run_dir: Path,
+    pool: EnginePool,
+    prompts: Prompts,
+    progress: RunProgress,
+    policy_up: PrefectConcurrentFuture | None,
+    scorer: Any,
+    ledger: Ledger,
+) -> None:
+    """Generate (-> train -> sync) every iteration, as the run's schedule
+    interleaves them (flows/schedule.py decides, this submits): Prefect task
+    futures on the flow's task runner, so the UI shows the tasks side by side.
+
+    `policy_up`: on an on-policy run, the future of the policy's start-up
+    (its handle). Generation does not wait for it; training waits, and the
+    first sync connects the policy to the engines."""
+    logger = get_run_logger()
+    training = params.training
+    pipeline = Pipeline(
+        training.iterations,
+        training.schedule,
+        training.staleness_bound,
+        trains=policy_up is not None,
+    )
+    generate = generate_rollouts.with_options(retries=params.cluster.engine_retries)
+    running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
+    if policy_up is not None:
+        running[policy_up] = ("policy", 0)
+    policy = None  # the handle, once the policy is up
+    # Set once a sync went through (the policy knows the engines): from then
+    # on a replacement engine is synced to it before it serves.
+    link = PolicyLink()
+    pipeline.start(time.monotonic())
+    while not pipeline.done:
+        now = time.monotonic()
+        if pipeline.should_sync():
+            pipeline.sync_started(now)
+            made_by = pipeline.trained - 1
+            future = sync_weights.submit(
+                policy, list(pool.engines), iteration=made_by, connect=link.handle is None
+            )
+            running[future] = ("sync", made_by)
+        if policy is not None and (i := pipeline.next_training()) is not None:
+            pipeline.training_started(i, now)
+            future = train_on_rollouts.submit(policy, ledger.reports[i].directory, iteration=i)
+            running[future] = ("train", i)
+        while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
+            pipeline.generation_started(i, now)
+            plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None)
+            bar = progress.iteration(i, len(prompts) * params.sampling.n)
+            running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)
+        future = first_done(list(running))
+        kind, i = running.pop(future)
+        now = time.monotonic()
+        if kind == "policy":
+            policy = future.result()
+        elif kind == "generate":
+            ledger.reports[i] = future.result()
+            pipeline.generation_done(i, now)
+        elif kind == "train":
+            ledger.steps[i] = step = future.result()
+            pipeline.training_done(step.version, now)
+        else:
+            try:
+                synced = future.result()
+            except (EngineFailure, WeightSyncError) as exc:
+                # An engine died under the sync: a running generation's
+                # retry replaces it and syncs it (and the others) to the
+                # policy's version; the next sync waits for those generations.
+                if not pipeline.sync_failed(now):
+                    raise
+                logger.warning("sync of iteration %d's version failed (%s); retried later", i, exc)
+            else:
+                link.handle = policy
+                pipeline.sync_done(synced.version, now)
+                ledger.syncs[synced.version - 1] = synced
+        ledger.close_iterations(pipeline)
+
+
+def first_done(futures: list[PrefectConcurrentFuture]) -> PrefectConcurrentFuture:
+    """The first of `futures` to finish, waited for in short slices: the CLI's
+    stop (flows/lifetime.py) arrives in this thread as an asynchronous
+    exception, raised only when the thread runs Python code. Not Prefect's
+    `as_completed(timeout=...)`: its thread timeout is itself an asynchronous
+    exception, which replaces a pending stop."""
+    by_wrapped = {future.wrapped_future: future for future in futures}
+    while True:
+        done, _ = concurrent.futures.wait(
+            by_wrapped, timeout=STOP_CHECK_S, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        if done:
+            return by_wrapped[next(iter(done))]
+
+
+def generation_plan(
+    params: RolloutParams, run_dir: Path, iteration: int, *, on_policy: bool = False
+) -> GenerationPlan:
+    sampling = params.sampling.request()
+    if on_policy and sampling.logprobs is None:
+        # The policy weighs each token by its own logprob over the engine's
+        # (truncated importance sampling) and reports their mismatch.
+        sampling = sampling.model_copy(update={"logprobs": 0})
+    return GenerationPlan(
+        run_dir=str(run_dir),
+        iteration=iteration,
+        sampling=sampling,
+        base_seed=params.sampling.seed,
+        output=params.output,
+        cluster=params.cluster,
+        reward_timeout_s=params.training.reward_timeout_s,
+    )

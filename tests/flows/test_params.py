@@ -1,0 +1,233 @@
+"""The flow's parameters model and the CLI that fills it: bad values are
+rejected with the field named, before anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from engines.sampling import SamplingParams
+from flows.arguments import parse_params
+from flows.params import SAMPLED_WHEN_SET, RolloutParams, sectioned
+
+
+def params(**values) -> RolloutParams:
+    """Parameters from fields given by name (the flags' names)."""
+    return RolloutParams.model_validate(sectioned(values))
+
+
+def test_defaults_are_the_embedded_demo():
+    defaults = RolloutParams()
+    assert defaults.data.prompts_path == "data/prompts.jsonl"
+    assert defaults.engines.model is None and defaults.cluster.address is None
+    assert defaults.training.iterations == 1
+    sampling = defaults.sampling.request()
+    assert sampling.n == defaults.sampling.n and sampling.seed is None
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"num_engines": 0}, "num_engines"),
+        ({"n": 0}, "n"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"backend": "tpu"}, "backend"),
+        ({"output_format": "csv"}, "output_format"),
+        ({"shard_size": -1}, "shard_size"),
+        ({"engine_retries": 99}, "engine_retries"),
+    ],
+)
+def test_invalid_values_name_the_field(values, field):
+    with pytest.raises(ValidationError) as info:
+        RolloutParams.model_validate(sectioned(values))
+    assert [error["loc"][-1] for error in info.value.errors()] == [field]
+
+
+def test_a_typo_is_not_silently_ignored():
+    with pytest.raises(ValidationError) as info:
+        RolloutParams.model_validate({"engines": {"num_engine": 2}})
+    assert [error["loc"] for error in info.value.errors()] == [("engines", "num_engine")]
+
+
+def test_the_flat_shape_names_each_field_s_new_place():
+    with pytest.raises(ValidationError) as info:
+        RolloutParams.model_validate({"num_engines": 4, "n": 2, "output": {"shard_size": 4}})
+    message = str(info.value)
+    assert "num_engines -> engines.num_engines, n -> sampling.n" in message
+
+
+def test_max_tokens_must_leave_room_for_the_prompt():
+    with pytest.raises(ValidationError, match=r"max_tokens \(64\) must be below max_len \(64\)"):
+        params(max_len=64, max_tokens=64)
+
+
+def test_colocate_needs_a_policy_and_one_gpu_per_engine():
+    params(colocate=True, reward="training.letter_task:reward")
+    with pytest.raises(ValidationError, match="colocate puts the policy beside the engines"):
+        params(colocate=True)
+    with pytest.raises(ValidationError, match="it needs an on-policy run"):
+        params(colocate=True, reward="training.letter_task:reward", train=False)
+    with pytest.raises(ValidationError, match="tensor_parallel_size must be 1, got 2"):
+        params(colocate=True, reward="training.letter_task:reward", tensor_parallel_size=2)
+
+
+def test_schedule_and_its_staleness_bound():
+    training = RolloutParams().training
+    assert (training.schedule, training.staleness_bound) == ("sync", 0)
+    assert params(schedule="overlap").training.staleness_bound == 1
+    assert params(schedule="in_flight", max_staleness=3).training.staleness_bound == 3
+    with pytest.raises(ValidationError, match=r"'overlap' needs max_staleness >= 1, got 0"):
+        params(schedule="overlap", max_staleness=0)
+    with pytest.raises(ValidationError, match=r"max_staleness \(2\) needs schedule 'overlap'"):
+        params(max_staleness=2)
+    with pytest.raises(ValidationError) as info:
+        params(schedule="async")
+    assert [error["loc"] for error in info.value.errors()] == [("training", "schedule")]
+    training = parse_params(["--schedule", "in_flight", "--max-staleness", "2"]).training
+    assert (training.schedule, training.max_staleness) == ("in_flight", 2)
+
+
+def test_json_schema_carries_bounds_for_the_ui():
+    schema = RolloutParams.model_json_schema()
+    assert schema["additionalProperties"] is False
+    engines = schema["$defs"]["EngineParams"]
+    assert engines["additionalProperties"] is False
+    assert engines["properties"]["num_engines"]["minimum"] == 1
+    assert engines["properties"]["backend"]["enum"] == ["auto", "vllm", "hf"]
+
+
+def test_one_declaration_of_each_sampling_bound():
+    """The run's sampling fields are `SamplingParams`' own, with the run's
+    tighter caps on top: the engine's bounds hold for the run too."""
+    sampling = RolloutParams.model_json_schema()["$defs"]["SamplingSection"]["properties"]
+    assert (sampling["temperature"]["minimum"], sampling["temperature"]["maximum"]) == (0, 100)
+    assert sampling["top_p"]["exclusiveMinimum"] == 0 and sampling["top_p"]["maximum"] == 1
+    assert "maximum" not in SamplingParams.model_json_schema()["properties"]["temperature"]
+
+
+def test_cli_flags_override_the_config_file(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(
+        json.dumps(
+            {
+                "engines": {"num_engines": 3},
+                "sampling": {"n": 2},
+                "cluster": {"address": "10.0.0.1:6379"},
+            }
+        )
+    )
+    run = parse_params(["--config", str(config), "--n", "4", "--address", "none"])
+    assert (run.engines.num_engines, run.sampling.n, run.cluster.address) == (3, 4, None)
+    assert run.sampling.max_tokens == 8  # the demo preset's, under the file
+
+
+def test_cli_reads_yaml(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("engines:\n  num_engines: 1\nsampling:\n  ignore_eos: true\n")
+    run = parse_params(["--config", str(config)])
+    assert run.engines.num_engines == 1 and run.sampling.ignore_eos is True
+
+
+def test_cli_refuses_a_config_of_the_flat_shape_naming_the_new_places(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("num_engines: 1\nignore_eos: true\n")
+    with pytest.raises(SystemExit) as info:
+        parse_params(["--config", str(config)])
+    assert "num_engines -> engines.num_engines, ignore_eos -> sampling.ignore_eos" in str(
+        info.value.code
+    )
+
+
+def test_a_bad_value_in_the_config_is_named_by_its_place(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("engines:\n  num_engines: 0\n")
+    with pytest.raises(SystemExit) as info:
+        parse_params(["--config", str(config)])
+    assert f"engines.num_engines in {config} 0:" in str(info.value.code)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-engines", "zero"], "--num-engines 'zero'"),
+        (["--temperature", "-1"], "--temperature '-1'"),
+    ],
+)
+def test_cli_rejects_bad_flags_naming_the_field(argv, message):
+    with pytest.raises(SystemExit) as info:
+        parse_params(argv)
+    assert "invalid parameters" in str(info.value.code)
+    assert message in str(info.value.code)
+
+
+def test_cli_rejects_a_config_that_is_not_a_mapping(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("- 1\n- 2\n")
+    with pytest.raises(SystemExit, match="must hold a mapping"):
+        parse_params(["--config", str(config)])
+
+
+#: A non-default value of each of vLLM's per-request fields.
+SAMPLING_VALUES = {
+    "stop": ["\n", "###"],
+    "stop_token_ids": [2, 7],
+    "include_stop_str_in_output": True,
+    "min_tokens": 3,
+    "min_p": 0.05,
+    "repetition_penalty": 1.2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "skip_special_tokens": False,
+}
+
+
+@pytest.mark.parametrize(("name", "value"), SAMPLING_VALUES.items())
+def test_sampling_fields_reach_sampling_params_or_fail_naming_the_field(name, value):
+    """Every field set on the run reaches `SamplingParams`; one that our
+    `SamplingParams` does not have (yet) is refused with its name, never
+    dropped."""
+    run = params(**{name: value})
+    if name in SamplingParams.model_fields:
+        assert getattr(run.sampling.request(), name) == value
+    else:
+        with pytest.raises(ValidationError, match=name):
+            run.sampling.request()
+
+
+def test_unset_sampling_fields_keep_vllms_defaults():
+    assert RolloutParams().sampling.request().model_fields_set == {
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_tokens",
+        "ignore_eos",
+        "logprobs",
+    }
+
+
+def test_every_sampling_field_has_a_flag():
+    assert set(SAMPLING_VALUES) == set(SAMPLED_WHEN_SET)
+    sampling = parse_params(
+        ["--stop", "###", "--stop-token-ids", "[2, 7]", "--min-p", "0.05", "--min-tokens", "3"]
+    ).sampling
+    assert (sampling.stop, sampling.stop_token_ids, sampling.min_p) == (["###"], [2, 7], 0.05)
+    assert parse_params(["--stop", '["a", "b"]']).sampling.stop == ["a", "b"]
+    assert params(stop="x").sampling.stop == ["x"]  # vLLM takes one string too
+
+
+def test_task_fields_from_flags():
+    run = parse_params(
+        ["--label-field", "reward_model.ground_truth", "--id-field", "uid"]
+        + ["--apply-chat-template", "--reward-style", "verl"]
+    )
+    assert run.data.label_field == "reward_model.ground_truth"
+    assert (run.data.id_field, run.data.apply_chat_template, run.training.reward_style) == (
+        "uid",
+        True,
+        "verl",
+    )
+    with pytest.raises(SystemExit, match="--reward-style"):
+        parse_params(["--reward-style", "trl"])
