@@ -25,7 +25,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/pip install -q -e .
 	# The runs' Prefect database, migrated here: the migrations took ~15
-	# CPU-seconds of the first `make run` on a 2-core box (docs/benchmarks.md).
+	# CPU-seconds of the first `make run` on a 2-core box (docs/history/benchmarks-diary.md).
 	$(BIN)/prefect server database upgrade -y
 	touch $@
 

@@ -72,7 +72,7 @@ def check_unsupported(agent_func_path: Any, remote_rm_url: Any, max_images_per_p
         raise EngineSpecError(
             f"agent_func_path={agent_func_path!r} is not supported: our engines run no "
             "agent executor inside the actor; run the executor in your own process against "
-            "`engine.generate` (see the README's OpenRLHF section)"
+            "`engine.generate` (see docs/engines.md, OpenRLHF compatibility)"
         )
     if remote_rm_url is not None:
         raise EngineSpecError(

@@ -81,7 +81,7 @@ def start_engines_early(params: RolloutParams, model: str) -> EarlyEngines | Non
     transformers, then the model load) otherwise began only after the
     server's and the flow's, on the way to the first row. They are passed
     to the flow, whose `create_engines` takes them, its spec being the
-    same (docs/benchmarks.md)."""
+    same (docs/history/benchmarks-diary.md)."""
     import ray
 
     from engines import EngineSpecError, check_cluster_fits, resolve_backend
@@ -153,7 +153,7 @@ def cores_to_spare() -> bool:
     together they came up sooner on a quiet 2-core box. On a loaded one, Ray
     beside the server took twice as long, and its raylet came near (at load
     15 and more, missed) its fixed 30 s registration deadline
-    (docs/benchmarks.md), so there Ray starts first, alone."""
+    (docs/history/benchmarks-diary.md), so there Ray starts first, alone."""
     return os.getloadavg()[0] < (os.cpu_count() or 1)
 
 

@@ -141,7 +141,7 @@ def _die_with_parent(parent: int) -> None:
 #: As Prefect's own ephemeral server: no UI, and of the background services
 #: only those of an ephemeral server (the event pipeline that records task
 #: runs). Turning off more of them (automations, the event stream out, block
-#: registration) saved no measurable CPU (docs/benchmarks.md).
+#: registration) saved no measurable CPU (docs/history/benchmarks-diary.md).
 EPHEMERAL = {"PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 
 

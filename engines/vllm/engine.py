@@ -114,7 +114,7 @@ class VLLMEngine(RolloutEngine):
         # Rollouts are offline batch work, like `vllm.LLM`'s: its usage context
         # picks LLM's batch defaults (on an H200: max_num_seqs 1024, 16384
         # batched tokens; ENGINE_CONTEXT gets 128 and 2048; figures in
-        # docs/benchmarks.md). get_batch_defaults in
+        # docs/history/benchmarks-diary.md). get_batch_defaults in
         # https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/engine/arg_utils.py
         clock.mark("engine arguments")
         if after:

@@ -3,7 +3,7 @@
 vLLM's `load_weights` maps each HF tensor onto fused, tensor-parallel
 parameters in Python (name mapping, q/k/v and gate/up stacking, TP
 narrowing): on large models more host time than the GPU spends copying
-them, on every sync (docs/benchmarks.md). That mapping depends on names and
+them, on every sync (docs/history/benchmarks-diary.md). That mapping depends on names and
 shapes, never on values, so `CopyPlan` records it the first time a tensor is
 loaded (which slice of the incoming tensor each `copy_` writes into which
 slice of which parameter) and later syncs make those copies directly.
@@ -16,7 +16,7 @@ its own loader on every sync.
 When the very same incoming tensors will be loaded again (a colocated
 trainer's parameters, kept mapped between CUDA IPC syncs), the copies are
 captured once as a CUDA graph: later loads are one check and one launch
-instead of a check and a launch per copy (docs/benchmarks.md).
+instead of a check and a launch per copy (docs/history/benchmarks-diary.md).
 """
 
 from __future__ import annotations

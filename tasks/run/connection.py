@@ -1,6 +1,6 @@
 """How a run reaches Ray: connect to its cluster, shipping the run's own code
 in the job's `runtime_env`, or start a local Ray. Prefect-free, so the CLI
-starts Ray before it imports Prefect (docs/benchmarks.md).
+starts Ray before it imports Prefect (docs/history/benchmarks-diary.md).
 
 Connecting to a cluster, the run ships its own code with the job's
 `runtime_env` (`py_modules`): engines, the policy and vLLM's worker extension

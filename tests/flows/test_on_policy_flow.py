@@ -29,7 +29,7 @@ from tasks.run.artifacts import ENGINES_KEY
 from tasks.run.shards import read_rows
 
 REWARD = "training.rewards:target_chars_fraction"
-#: The README's on-policy example (its flags, as RolloutParams fields).
+#: docs/flow.md's on-policy example (its flags, as RolloutParams fields).
 LETTER_TASK = {
     "prompts_path": str(REPO / "data" / "letter_task.jsonl"),
     "label_field": "answer",
