@@ -277,7 +277,6 @@ class RolloutEngine(WeightApi, abc.ABC):
     async def _abort_requests(self) -> None:
         """End every request in flight now, with finish_reason "abort"."""
 
-    @abc.abstractmethod
     async def collective_rpc(
         self,
         method: str,
@@ -289,6 +288,15 @@ class RolloutEngine(WeightApi, abc.ABC):
         (one per tensor-parallel rank); results in rank order. Weight updates go
         through here on both backends. `timeout_s` (default: the engine's RPC
         timeout) bounds the call; a whole-model receive passes a longer one."""
+        if not isinstance(method, str) or method.startswith("_"):
+            raise RequestError(f"collective_rpc needs a public worker method name, got {method!r}")
+        timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+        return await self._rpc(method, args, kwargs or {}, timeout)
+
+    @abc.abstractmethod
+    async def _rpc(self, method: Any, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        """`collective_rpc` once checked: the backend's call into its workers,
+        bounded by `timeout` seconds."""
 
     # --- helpers for backends -------------------------------------------------
     def check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:

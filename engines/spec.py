@@ -28,14 +28,14 @@ BACKENDS = ("auto", "vllm", "hf")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 # Engine arguments the spec sets from its own fields (named as
-# `create_vllm_engines`' parameters): one in engine_kwargs as well would be ambiguous.
+# `create_vllm_engines`' parameters): one in engine_kwargs as well would be
+# ambiguous. Every engine setting is one, under its own name or vLLM's, so a
+# new setting is reserved without an edit here.
 RESERVED_ENGINE_KWARGS = {
+    **{name: name for name in EngineSettings.model_fields if name != "engine_kwargs"},
     "model": "pretrain",
     "max_model_len": "max_len",
     "seed": "seed",
-    "tensor_parallel_size": "tensor_parallel_size",
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "enable_prefix_caching": "enable_prefix_caching",
     "worker_extension_cls": None,  # ours carries the weight-sync API
 }
 

@@ -191,22 +191,15 @@ class HFEngine(RolloutEngine):
     async def _abort_requests(self) -> None:
         self._loop.abort(self._runner.aborted)
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout_s: float | None = None,
-    ):
+    async def _rpc(self, method: Any, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         function = getattr(self.worker, method, None)
-        if function is None or method.startswith("_"):
+        if function is None:
             raise RequestError(f"the worker has no method {method!r}")
 
         def run() -> Any:
             with self._model_lock:
-                return function(*args, **(kwargs or {}))
+                return function(*args, **kwargs)
 
-        timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
         try:
             # The thread itself cannot be interrupted: the worker's own
             # collectives carry deadlines; this bounds what the caller waits.

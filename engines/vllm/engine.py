@@ -219,7 +219,7 @@ class VLLMEngine(RolloutEngine):
         )
         # Asked of the workers themselves: with TP>1 they are other processes
         # on other GPUs than this actor sees.
-        gpus = await self._rpc(worker_memory)
+        gpus = await self._on_workers(worker_memory)
         info["device"] = ",".join(gpu["device"] for gpu in gpus)
         info["gpus"] = gpus
         info["memory"] = {"used_bytes": sum(gpu["used_bytes"] for gpu in gpus)}
@@ -242,10 +242,11 @@ class VLLMEngine(RolloutEngine):
             )
         # "wait": requests in flight finish first (vLLM's default aborts them).
         # Level 1 offloads weights to CPU and drops the KV cache; level 2 drops both.
-        before = await self._rpc(worker_memory)
+        before = await self._on_workers(worker_memory)
         await self._core.call(self.engine.sleep(level, mode="wait"))
         self._asleep = set(SLEEP_TAGS)
-        after = {gpu["gpu_uuid"]: gpu["used_bytes"] for gpu in await self._rpc(worker_memory)}
+        gpus = await self._on_workers(worker_memory)
+        after = {gpu["gpu_uuid"]: gpu["used_bytes"] for gpu in gpus}
         self._slept_bytes = {
             gpu["gpu_uuid"]: max(0, gpu["used_bytes"] - after.get(gpu["gpu_uuid"], 0))
             for gpu in before
@@ -260,7 +261,7 @@ class VLLMEngine(RolloutEngine):
         began = time.monotonic()
         needed = self._slept_bytes
         while needed and time.monotonic() - began < timeout_s:
-            gpus = await self._rpc(worker_memory)
+            gpus = await self._on_workers(worker_memory)
             if all(
                 g["total_bytes"] - g["used_bytes"] >= needed.get(g["gpu_uuid"], 0) for g in gpus
             ):
@@ -299,25 +300,11 @@ class VLLMEngine(RolloutEngine):
         # New requests wait in this actor until it reopens, not in vLLM.
         await self._core.call(self.engine.resume_generation())
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout_s: float | None = None,
-    ):
-        if not isinstance(method, str) or method.startswith("_"):
-            raise RequestError(f"collective_rpc needs a public worker method name, got {method!r}")
-        return await self._rpc(method, args, kwargs, timeout_s)
+    async def _on_workers(self, function: Any) -> list[Any]:
+        """This backend's own call of `function` on every worker."""
+        return await self._rpc(function, (), {}, self.config.rpc_timeout_s)
 
-    async def _rpc(
-        self,
-        method: Any,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+    async def _rpc(self, method: Any, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         # vLLM's single-process executor ignores its own `timeout`
         # (https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/executor/uniproc_executor.py),
         # so the deadline is enforced here.
