@@ -57,6 +57,9 @@ def create_vllm_engines(
     check_unsupported(agent_func_path, remote_rm_url, max_images_per_prompt)
     # The seed's names are the spec's and pass as they are; OpenRLHF's are translated.
     same = {name: value for name, value in locals().items() if name in EngineSetSpec.model_fields}
+    # An engine setting with no parameter of its own here comes as an engine argument.
+    named = [name for name in engine_kwargs if name in EngineSetSpec.model_fields]
+    same |= {name: engine_kwargs.pop(name) for name in named}
     translated = {
         "max_len": resolve_max_len(max_len, max_model_len),
         "engine_kwargs": with_logprobs_mode(engine_kwargs, logprobs_mode),
