@@ -24,28 +24,27 @@ from tasks.run.params import SECTION, ClusterParams, DataParams, EngineParams, O
 
 def sampled(name: str, default: Any = PydanticUndefined, **run: Any) -> Any:
     """`SamplingParams`' declaration of field `name` (its bounds live there,
-    once), with the run's own default where given, and `run`: the caps a
-    run form puts on top (e.g. `le=100`) or the form's wording."""
+    once), with the run's own default where given, and `run`: the form's
+    wording."""
     if default is not PydanticUndefined:
         run["default"] = default
     return FieldInfo.merge_field_infos(SamplingParams.model_fields[name], Field(**run))
 
 
 class SamplingSection(BaseModel):
-    """A run's sampling: `SamplingParams`' fields (`request()` makes the
-    request's), with the run's defaults and caps, and the run's base seed."""
+    """A run's sampling: `SamplingParams`' fields and bounds (`request()`
+    makes the request's), with the run's defaults, and the run's base seed."""
 
     model_config = SECTION
 
-    n: int = sampled("n", title="Samples per prompt", le=1024)
-    temperature: float = sampled("temperature", le=100.0)
+    n: int = sampled("n", title="Samples per prompt")
+    temperature: float = sampled("temperature")
     top_p: float = sampled("top_p")
-    top_k: int = sampled("top_k", ge=-1)
+    top_k: int = sampled("top_k")
     max_tokens: int = sampled("max_tokens", 64, description="Response tokens at most.")
     ignore_eos: bool = sampled("ignore_eos", description="Keep generating past end-of-sequence.")
     logprobs: int | None = sampled(
         "logprobs",
-        le=20,
         description="Write per-token logprobs: 0 the sampled token, k also the top k. Empty: none.",
     )
     stop: list[str] = sampled(
@@ -57,7 +56,7 @@ class SamplingSection(BaseModel):
     )
     min_tokens: int = sampled("min_tokens", description="Response tokens at least before EOS/stop.")
     min_p: float = sampled("min_p")
-    repetition_penalty: float = sampled("repetition_penalty", le=10.0, description="1 disables it.")
+    repetition_penalty: float = sampled("repetition_penalty", description="1 disables it.")
     presence_penalty: float = sampled("presence_penalty")
     frequency_penalty: float = sampled("frequency_penalty")
     skip_special_tokens: bool = sampled(

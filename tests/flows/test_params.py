@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from engines.sampling import SamplingParams
 from flows.arguments import parse_params
-from flows.params import SAMPLED_WHEN_SET, RolloutParams, sectioned
+from flows.params import SAMPLED_WHEN_SET, RolloutParams, SamplingSection, sectioned
 
 
 def params(**values) -> RolloutParams:
@@ -99,12 +99,16 @@ def test_json_schema_carries_bounds_for_the_ui():
 
 
 def test_one_declaration_of_each_sampling_bound():
-    """The run's sampling fields are `SamplingParams`' own, with the run's
-    tighter caps on top: the engine's bounds hold for the run too."""
-    sampling = RolloutParams.model_json_schema()["$defs"]["SamplingSection"]["properties"]
-    assert (sampling["temperature"]["minimum"], sampling["temperature"]["maximum"]) == (0, 100)
-    assert sampling["top_p"]["exclusiveMinimum"] == 0 and sampling["top_p"]["maximum"] == 1
-    assert "maximum" not in SamplingParams.model_json_schema()["properties"]["temperature"]
+    """The run's sampling fields are `SamplingParams`' own: the same bounds
+    in the run form as in the engine's requests."""
+    run, engine = SamplingSection.model_fields, SamplingParams.model_fields
+    shared = set(run) & set(engine) - {"seed"}  # the run's base seed is its own field
+    assert len(shared) == 16
+    for name in shared:
+        assert run[name].metadata == engine[name].metadata, name
+    schema = RolloutParams.model_json_schema()["$defs"]["SamplingSection"]["properties"]
+    assert schema["temperature"]["minimum"] == 0 and "maximum" not in schema["temperature"]
+    assert schema["top_p"]["exclusiveMinimum"] == 0 and schema["top_p"]["maximum"] == 1
 
 
 def test_cli_flags_override_the_config_file(tmp_path):
