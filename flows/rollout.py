@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from pydantic.json_schema import SkipJsonSchema
 
 from engines import EngineSetSpec, Placement, PlacementMode
 from engines.weight_sync import transport_for
@@ -152,7 +153,9 @@ class SideActors:
 )
 def rollout(
     params: RolloutParams = RolloutParams(),  # noqa: B008 - frozen
-    early: EarlyEngines | None = None,
+    # The CLI's handoff, not a run setting: left out of the parameter schema,
+    # so the deployment form and the server's schema check show only `params`.
+    early: SkipJsonSchema[EarlyEngines | None] = None,
 ) -> RunSummary:
     """Generate `n` rollouts per prompt with a set of engines on Ray and write
     them, in shards, under `<output_dir>/<flow run id>/`. `early`: the

@@ -235,3 +235,16 @@ def test_task_fields_from_flags():
     )
     with pytest.raises(SystemExit, match="--reward-style"):
         parse_params(["--reward-style", "trl"])
+
+
+def test_the_run_form_shows_the_sections_only():
+    """The flow's `early` argument (the CLI's engines) is no run setting: the
+    deployment form and the server's schema check see `params` alone."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.rollout import rollout
+
+    schema = parameter_schema(rollout.fn)
+    assert list(schema.properties) == ["params"]
+    sections = schema.definitions["RolloutParams"]["properties"]
+    assert list(sections) == ["data", "engines", "sampling", "training", "output", "cluster"]
