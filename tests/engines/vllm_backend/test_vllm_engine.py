@@ -20,7 +20,7 @@ from engines.vllm.engine import WORKER_EXTENSION, engine_args
 @pytest.fixture
 def engine() -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM to start
-    engine.config = SimpleNamespace(name="e0")
+    engine.config = SimpleNamespace(name="e0", rpc_timeout_s=5.0)
     engine.engine = SimpleNamespace(errored=False)
     engine._core = CoreCalls(engine.engine, "e0")
     return engine
