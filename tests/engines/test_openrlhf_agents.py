@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engines import EngineSpecError, SamplingParams, create_vllm_engines, destroy_engines
 from engines.openrlhf_agents import run_openrlhf_agent
 from engines.trajectory import NOT_SAMPLED
+from engines.weight_sync import SyncConfig, sync_from_checkpoint
 
 pytest.importorskip("openrlhf.utils.agent", reason="pip install --no-deps openrlhf==0.11.2")
 
@@ -228,3 +229,22 @@ def test_without_openrlhf_agent_func_path_names_the_package(
     monkeypatch.setitem(sys.modules, "openrlhf", None)  # not importable, as when not installed
     with pytest.raises(EngineSpecError, match="pip install --no-deps openrlhf==0.11.2"):
         create_vllm_engines(**openrlhf_call(tiny_model, agent_file))
+
+
+def test_sampled_tokens_carry_the_version_that_sampled_them(agent_engines, agent_file, tiny_model):
+    engines, tokenizer = agent_engines
+    sync_from_checkpoint(list(engines), tiny_model, version=7, config=SyncConfig(timeout_s=60))
+    rollout = asyncio.run(
+        run_openrlhf_agent(
+            engines[0],
+            prompt=PROMPT,
+            label=None,
+            sampling_params=SamplingParams(max_tokens=4, seed=1),
+            max_length=40,
+            agent_func_path=agent_file,
+            tokenizer=tokenizer,
+        )
+    )
+    pairs = zip(rollout.sample.token_versions, rollout.sample.loss_mask, strict=True)
+    assert {version for version, sampled in pairs if sampled} == {7}
+    assert rollout.sample.logprobs == [0.0] * len(rollout.sample.loss_mask)  # none asked
