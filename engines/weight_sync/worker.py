@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any
 
-from engines.weight_sync import checkpoint
+from engines.weight_sync import checkpoint, moe
 from engines.weight_sync.checksum import device_sums, finish_checksums, nbytes_of
 from engines.weight_sync.config import GroupInfo
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
@@ -24,14 +24,17 @@ from engines.weight_sync.protocol import WorkerAnswer
 
 logger = logging.getLogger(__name__)
 
-#: vLLM model classes whose `load_weights` the copy plan is proven to replay
-#: exactly: their loaders record cleanly against vLLM 0.26's code, and the
-#: engines' logprobs matched the trainer's after replayed syncs on the H200s
-#: (docs/weight_sync.md). Any other vLLM model loads through vLLM's own
-#: layerwise reload on every sync (`load_weights`, then each layer's
-#: post-load processing: MoE expert layouts, quantization scales), as vLLM's
-#: own weight-transfer engines do.
-REPLAY_PROVEN = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+#: (vLLM model class, quantization) pairs whose `load_weights` the copy plan
+#: is proven to replay exactly: their loaders record cleanly against vLLM
+#: 0.26's code, and the engines' logprobs matched the trainer's after
+#: replayed syncs on the H200s (docs/weight_sync.md "Architectures",
+#: tests/gpu/test_gpu_architectures.py; unquantized bf16 only). Any other
+#: pair (another class, or a quantized engine, whose parameters are not the
+#: trainer's tensors: an FP8 weight and its scale) loads through vLLM's own
+#: layerwise reload on every sync (`load_weights`, then each layer's post-load
+#: processing: MoE expert layouts, online quantization), as vLLM's own
+#: weight-transfer engines do.
+REPLAY_PROVEN = frozenset({("LlamaForCausalLM", None), ("Qwen2ForCausalLM", None)})
 
 
 class WorkerWeights:
@@ -101,11 +104,13 @@ class WorkerWeights:
     def weight_manifest_problems(self, manifest: dict, allow_partial: bool = False) -> list[str]:
         """Differences between the trainer's manifest and this worker's, one line each."""
         got = Manifest.model_validate(manifest)
+        expected = self.expected_manifest()
+        if not self.is_vllm_model():
+            return mismatches(expected, got, allow_partial=allow_partial)
         # A checkpoint may hold weights vLLM does not load (tied lm_head, rotary
-        # buffers), so on vLLM only the names the trainer sends are checked.
-        return mismatches(
-            self.expected_manifest(), got, allow_partial=allow_partial or self.is_vllm_model()
-        )
+        # buffers), so on vLLM only the names the trainer sends are checked;
+        # fused MoE experts are loaded as they come, checked per expert.
+        return mismatches(expected, moe.in_engine_layout(got, expected), allow_partial=True)
 
     def problems_of(self, specs: list[ParamSpec]) -> list[str]:
         return self.weight_manifest_problems(
@@ -113,9 +118,13 @@ class WorkerWeights:
         )
 
     # --- loading -----------------------------------------------------------------------
+    def load_kind(self) -> tuple[str, str | None]:
+        """(vLLM model class, quantization): what decides the loading path."""
+        return type(self.model()).__name__, self.host.model_config.quantization
+
     def replays(self) -> bool:
         """Whether loads replay recorded copies (else vLLM's layerwise reload)."""
-        return not self.is_vllm_model() or type(self.model()).__name__ in REPLAY_PROVEN
+        return not self.is_vllm_model() or self.load_kind() in REPLAY_PROVEN
 
     def load(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
         """Load through the model's loader once, then replay its copies
@@ -150,9 +159,11 @@ class WorkerWeights:
             try:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
             except ImportError as exc:
+                name, quantization = self.load_kind()
                 raise WeightSyncError(
-                    f"{type(model).__name__}: copy-plan replay is not proven for this model "
-                    f"class and vLLM's layerwise reload is not available ({exc})"
+                    f"{name} (quantization {quantization}): copy-plan replay is not proven "
+                    f"for this model class and quantization, and vLLM's layerwise reload is "
+                    f"not available ({exc})"
                 ) from exc
             initialize_layerwise_reload(model)
             self.reloading = True
@@ -176,7 +187,10 @@ class WorkerWeights:
         """Whether loads replay recorded copies (and how many), or why not."""
         plan = self.copy_plan
         if not self.replays():
-            refused = f"{type(self.model()).__name__} is not proven for replay: vLLM's reload"
+            name, quantization = self.load_kind()
+            refused = (
+                f"{name} (quantization {quantization}) is not proven for replay: vLLM's reload"
+            )
             return {"copies": 0, "refused": refused, "graph": False, "graph_error": None}
         if plan is None:
             return {"copies": 0, "refused": None, "graph": False, "graph_error": None}
