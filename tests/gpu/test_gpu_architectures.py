@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import pytest
 from architectures import ARCHITECTURES, VLLM_CLASSES, write
-from gpu_helpers import wait_gpus_released, wait_ready
+from gpu_helpers import (
+    PARITY_SEQUENCES,
+    engine_prompt_logprobs,
+    logprob_distance,
+    wait_gpus_released,
+    wait_ready,
+)
 from gpu_trainer import start_bf16_policy
 
-from engines import SamplingParams, create_vllm_engines, destroy_engines
+from engines import create_vllm_engines, destroy_engines
 from engines.weight_sync.worker import REPLAY_PROVEN
 
 pytestmark = pytest.mark.gpu
 
 TIMEOUT_S = 180
-SEQUENCES = [list(range(5, 69)), [7, 99, 3, 250, 18, 64, 64, 12] * 4, list(range(200, 240))]
 #: bf16 parity of engine and trainer (max, mean |diff| of per-token logprobs)
 #: per architecture: the bound of the 0.28B Llama (test_gpu_weight_sync.py)
 #: until these models are measured on the H200s.
@@ -34,25 +39,10 @@ BOUNDS = {arch: (0.2, 0.06) for arch in ARCHITECTURES}
 SHAPE = dict(hidden=256, layers=2)
 
 
-def logprobs(ray, engine) -> list[list[float]]:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outputs = ray.get(engine.generate.remote(SEQUENCES, params), timeout=TIMEOUT_S)
-    return [
-        [
-            step[t].logprob
-            for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
-        ]
-        for o in outputs
-    ]
-
-
 def check_parity(ray, arch, engine, policy, what: str) -> None:
-    ours = logprobs(ray, engine)
-    trainer = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
-    flat = [
-        abs(a - b) for x, y in zip(ours, trainer, strict=True) for a, b in zip(x, y, strict=True)
-    ]
-    worst, mean = max(flat), sum(flat) / len(flat)
+    ours = engine_prompt_logprobs(engine, TIMEOUT_S)
+    trainer = ray.get(policy.sequence_logprobs.remote(PARITY_SEQUENCES), timeout=TIMEOUT_S)
+    worst, mean = logprob_distance(ours, trainer)
     print(f"{arch} {what}: max |diff| {worst:.4f}, mean {mean:.4f}")
     max_bound, mean_bound = BOUNDS[arch]
     assert worst < max_bound and mean < mean_bound, (worst, mean)
