@@ -20,6 +20,8 @@ fused names and checks them as they are.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from engines.weight_sync.manifest import Manifest, ParamSpec
 
 #: A fused expert tensor's name -> the checkpoint's per-expert matrices it
@@ -45,11 +47,10 @@ def per_expert(spec: ParamSpec) -> tuple[ParamSpec, ...] | None:
     )
 
 
-def in_engine_layout(got: Manifest, engine: Manifest) -> Manifest:
+def in_engine_layout(got: Manifest, held: Collection[str]) -> Manifest:
     """The trainer's manifest `got`, each fused expert tensor the engine does
-    not hold by that name replaced by the per-expert tensors it stands for
-    (what the engine's manifest names); everything else as it is."""
-    held = {spec.name for spec in engine.params}
+    not hold by that name (`held`: the names of its manifest) replaced by
+    the per-expert tensors it stands for; everything else as it is."""
     params: list[ParamSpec] = []
     for spec in got.params:
         split = None if spec.name in held else per_expert(spec)

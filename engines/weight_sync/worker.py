@@ -110,7 +110,8 @@ class WorkerWeights:
         # A checkpoint may hold weights vLLM does not load (tied lm_head, rotary
         # buffers), so on vLLM only the names the trainer sends are checked;
         # fused MoE experts are loaded as they come, checked per expert.
-        return mismatches(expected, moe.in_engine_layout(got, expected), allow_partial=True)
+        seen = moe.in_engine_layout(got, set(expected.names))
+        return mismatches(expected, seen, allow_partial=True)
 
     def problems_of(self, specs: list[ParamSpec]) -> list[str]:
         return self.weight_manifest_problems(

@@ -46,7 +46,7 @@ def test_the_trainers_fused_experts_fit_the_checkpoints_per_expert_manifest(moe_
     fused = [n for n in sent.names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert fused and not set(fused) & set(engine.names)
     assert mismatches(engine, sent, allow_partial=True)  # as the names come: refused
-    seen = in_engine_layout(sent, engine)
+    seen = in_engine_layout(sent, engine.names)
     assert mismatches(engine, seen, allow_partial=True) == []
     # Every tensor the checkpoint names is covered, once: nothing left unsent.
     assert sorted(seen.names) == sorted(engine.names)
@@ -94,7 +94,7 @@ def test_only_fused_expert_tensors_are_split():
     engine = Manifest(
         params=(ParamSpec(name="m.experts.gate_up_proj", dtype="bfloat16", shape=(2, 8, 4)),)
     )
-    held = in_engine_layout(engine, engine)
+    held = in_engine_layout(engine, engine.names)
     assert held == engine  # the engine holds the fused name itself (the CPU engine)
     for name, shape in [
         ("m.mlp.gate_up_proj", (2, 8, 4)),  # not an experts module
