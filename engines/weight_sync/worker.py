@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 REPLAY_PROVEN = frozenset({("LlamaForCausalLM", None), ("Qwen2ForCausalLM", None)})
 
 
+def unproven(model: Any, model_config: Any) -> str | None:
+    """Why a vLLM model's loads do not replay recorded copies (vLLM's
+    layerwise reload then), or None: its (class, quantization) decides."""
+    kind = (type(model).__name__, model_config.quantization)
+    return None if kind in REPLAY_PROVEN else "{} (quantization {}) is not proven".format(*kind)
+
+
 class WorkerWeights:
     """One worker's weight-sync state. `host` provides `_model()`, `device`,
     `rank` (tensor-parallel rank) and, on vLLM, `model_config`."""
@@ -108,8 +115,7 @@ class WorkerWeights:
         if not self.is_vllm_model():
             return mismatches(expected, got, allow_partial=allow_partial)
         # A checkpoint may hold weights vLLM does not load (tied lm_head, rotary
-        # buffers), so on vLLM only the names the trainer sends are checked;
-        # fused MoE experts are loaded as they come, checked per expert.
+        # buffers): only the names sent are checked, fused MoE experts per expert.
         seen = moe.in_engine_layout(got, set(expected.names))
         return mismatches(expected, seen, allow_partial=True)
 
@@ -119,13 +125,11 @@ class WorkerWeights:
         )
 
     # --- loading -----------------------------------------------------------------------
-    def load_kind(self) -> tuple[str, str | None]:
-        """(vLLM model class, quantization): what decides the loading path."""
-        return type(self.model()).__name__, self.host.model_config.quantization
+    def unproven(self) -> str | None:
+        return unproven(self.model(), self.host.model_config) if self.is_vllm_model() else None
 
     def replays(self) -> bool:
-        """Whether loads replay recorded copies (else vLLM's layerwise reload)."""
-        return not self.is_vllm_model() or self.load_kind() in REPLAY_PROVEN
+        return self.unproven() is None
 
     def load(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
         """Load through the model's loader once, then replay its copies
@@ -160,11 +164,9 @@ class WorkerWeights:
             try:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
             except ImportError as exc:
-                name, quantization = self.load_kind()
                 raise WeightSyncError(
-                    f"{name} (quantization {quantization}): copy-plan replay is not proven "
-                    f"for this model class and quantization, and vLLM's layerwise reload is "
-                    f"not available ({exc})"
+                    f"{self.unproven()} for copy-plan replay and vLLM's layerwise reload "
+                    f"is not available ({exc})"
                 ) from exc
             initialize_layerwise_reload(model)
             self.reloading = True
@@ -186,12 +188,9 @@ class WorkerWeights:
 
     def copy_plan_status(self) -> dict:
         """Whether loads replay recorded copies (and how many), or why not."""
-        plan = self.copy_plan
-        if not self.replays():
-            name, quantization = self.load_kind()
-            refused = (
-                f"{name} (quantization {quantization}) is not proven for replay: vLLM's reload"
-            )
+        plan, unproven = self.copy_plan, self.unproven()
+        if unproven:
+            refused = f"{unproven} for replay: vLLM's reload"
             return {"copies": 0, "refused": refused, "graph": False, "graph_error": None}
         if plan is None:
             return {"copies": 0, "refused": None, "graph": False, "graph_error": None}
