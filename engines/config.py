@@ -10,7 +10,7 @@ engine knob is one field here, read by the backend.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -71,6 +71,11 @@ class EngineSettings(Checked):
     )
     tensor_parallel_size: Annotated[int, at_least(1)] = 1
     enable_prefix_caching: bool = False
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="'fp8': vLLM quantizes the bf16 checkpoint, and every weight sync, to FP8 "
+        "online (vLLM backend; the CPU backend serves unquantized). None: as the checkpoint.",
+    )
     full_determinism: bool = Field(False, description="OpenRLHF's flag (vLLM backend).")
     agent_func_path: str | None = Field(
         None, description="OpenRLHF's agent file, run by `generate_responses` (None: single-turn)."

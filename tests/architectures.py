@@ -1,8 +1,9 @@
 """Random tiny models in the layouts of the architectures weight sync is
 checked on: Llama 3, Qwen2 with tied embeddings, Qwen3, Mistral, Gemma 2 and
-one mixture-of-experts model (Qwen2-MoE). Built offline from transformers
-configs (CPU: tests/engines/weight_sync/test_architectures.py; GPU with vLLM:
-tests/gpu/test_gpu_architectures.py)."""
+two mixture-of-experts models (Qwen2-MoE with a shared expert, Qwen3-MoE).
+Built offline from transformers configs (CPU:
+tests/engines/weight_sync/test_architectures.py; GPU with vLLM:
+tests/gpu/test_gpu_architectures.py, tests/gpu/test_gpu_weight_formats.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ VLLM_CLASSES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "qwen2-moe": "Qwen2MoeForCausalLM",
+    "qwen3-moe": "Qwen3MoeForCausalLM",
 }
 ARCHITECTURES = tuple(VLLM_CLASSES)
 
@@ -29,6 +31,7 @@ def config(arch: str, vocab_size: int = 96, hidden: int = 32, layers: int = 2, *
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     common = dict(
@@ -67,6 +70,18 @@ def config(arch: str, vocab_size: int = 96, hidden: int = 32, layers: int = 2, *
             moe_intermediate_size=hidden // 2,
             shared_expert_intermediate_size=hidden,
             decoder_sparse_step=1,
+            tie_word_embeddings=False,
+        )
+    if arch == "qwen3-moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=head_dim,
+            num_experts=4,
+            num_experts_per_tok=2,
+            # 2I != H: an expert read transposed would not fit.
+            moe_intermediate_size=hidden // 4,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
             tie_word_embeddings=False,
         )
     raise ValueError(f"unknown architecture {arch!r}; use one of {ARCHITECTURES}")

@@ -78,6 +78,8 @@ def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
     kwargs.setdefault("disable_log_stats", True)
     if config.gpu_memory_utilization is not None:  # None: vLLM's default
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.quantization is not None:  # None: as the checkpoint says
+        kwargs["quantization"] = config.quantization
     return api.vllm.AsyncEngineArgs(
         model=config.pretrain,
         max_model_len=config.max_len,

@@ -345,11 +345,11 @@ def _receive_buckets(
 ) -> WorkerAnswer:
     import torch
 
-    size = max(b.nbytes for b in plan.buckets)
-    buffers = [
-        torch.empty(size, dtype=torch.uint8, device=worker.device)
-        for _ in range(min(2, len(plan.buckets)))
-    ]
+    # vLLM's layerwise reload keeps a layer's tensors until the layer is whole,
+    # maybe past the next bucket: then each bucket gets a buffer of its own.
+    reuse = worker.replays()
+    size = max(b.nbytes for b in plan.buckets) if reuse else 0
+    buffers = [torch.empty(size, dtype=torch.uint8, device=worker.device) for _ in plan.buckets[:2]]
     in_flight = []
     times = {"wait_s": 0.0, "load_s": 0.0}
 
@@ -369,6 +369,8 @@ def _receive_buckets(
         times["load_s"] += time.monotonic() - waited
 
     for index, bucket in enumerate(plan.buckets):
+        if not reuse:
+            buffers[index % 2] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=worker.device)
         flat = buffers[index % 2][: bucket.nbytes]
         # Starts after the loads already queued on this stream, so the
         # buffer's previous bucket is consumed before it is overwritten.

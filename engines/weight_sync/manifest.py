@@ -142,17 +142,6 @@ def _vocab_rows(name: str, mine: ParamSpec, spec: ParamSpec) -> str | None:
     )
 
 
-def _hint(name: str) -> str:
-    # transformers 5 holds a MoE layer's experts fused (`experts.gate_up_proj`,
-    # 3-D); checkpoints and vLLM's loaders name each expert's matrices.
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-        return (
-            " (transformers' fused expert layout: send the checkpoint layout, "
-            "`experts.<i>.gate_proj.weight` etc., as `save_pretrained` writes it)"
-        )
-    return ""
-
-
 def mismatches(expected: Manifest, got: Manifest, *, allow_partial: bool = False) -> list[str]:
     """Every difference between the engine's manifest (`expected`) and the
     trainer's (`got`), one readable line each; empty when they agree."""
@@ -161,7 +150,7 @@ def mismatches(expected: Manifest, got: Manifest, *, allow_partial: bool = False
     for spec in got.params:
         mine = want.get(spec.name)
         if mine is None:
-            problems.append(f"{spec.name!r}: the engine has no such parameter{_hint(spec.name)}")
+            problems.append(f"{spec.name!r}: the engine has no such parameter")
         elif mine.shape != spec.shape:
             problems.append(
                 _vocab_rows(spec.name, mine, spec)

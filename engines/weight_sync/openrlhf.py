@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.weight_sync import cuda_ipc
+from engines.weight_sync import cuda_ipc, moe
 from engines.weight_sync.manifest import Manifest, ParamSpec, dtype_name
 from engines.weight_sync.open_sync import OpenSync
 from engines.weight_sync.protocol import Transport, WorkerAnswer
@@ -44,11 +44,17 @@ async def _engine_names(sync: WeightSync) -> frozenset[str]:
     return names
 
 
-async def _after(sync: WeightSync, session: OpenSync, name: str, empty_cache: bool) -> None:
+async def _after(
+    sync: WeightSync, session: OpenSync, spec: tuple[str, str, list[int]], empty_cache: bool
+) -> None:
     if not session.implicit or sync.open is not session:
         return
-    session.received.add(name)
-    if empty_cache or session.received >= await _engine_names(sync):
+    names = await _engine_names(sync)
+    # A fused MoE tensor completes the per-expert names a vLLM engine holds.
+    (name, dtype, shape) = spec
+    arrived = Manifest(params=(ParamSpec(name=name, dtype=dtype, shape=tuple(shape)),))
+    session.received.update(moe.in_engine_layout(arrived, names).names)
+    if empty_cache or session.received >= names:
         await sync.finish_weight_sync(session.version)
 
 
@@ -66,7 +72,7 @@ async def update_weight(
     session = await _implicit_session(sync)
     spec = _spec(name, dtype, shape)
     await sync.receive("update_weight", *spec, bool(empty_cache), session=session)
-    await _after(sync, session, spec[0], empty_cache)
+    await _after(sync, session, spec, empty_cache)
 
 
 async def update_weight_cuda_ipc(
@@ -78,7 +84,7 @@ async def update_weight_cuda_ipc(
     spec = _spec(name, dtype, shape)
     blob = ipc_handles if isinstance(ipc_handles, bytes) else cuda_ipc.dumps(ipc_handles)
     await sync.receive("update_weight_cuda_ipc", *spec, blob, bool(empty_cache), session=session)
-    await _after(sync, session, spec[0], empty_cache)
+    await _after(sync, session, spec, empty_cache)
 
 
 # --- worker --------------------------------------------------------------------------------

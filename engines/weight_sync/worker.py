@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any
 
-from engines.weight_sync import checkpoint
+from engines.weight_sync import checkpoint, moe
 from engines.weight_sync.checksum import device_sums, finish_checksums, nbytes_of
 from engines.weight_sync.config import GroupInfo
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
@@ -24,14 +24,24 @@ from engines.weight_sync.protocol import WorkerAnswer
 
 logger = logging.getLogger(__name__)
 
-#: vLLM model classes whose `load_weights` the copy plan is proven to replay
-#: exactly: their loaders record cleanly against vLLM 0.26's code, and the
-#: engines' logprobs matched the trainer's after replayed syncs on the H200s
-#: (docs/weight_sync.md). Any other vLLM model loads through vLLM's own
-#: layerwise reload on every sync (`load_weights`, then each layer's
-#: post-load processing: MoE expert layouts, quantization scales), as vLLM's
-#: own weight-transfer engines do.
-REPLAY_PROVEN = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+#: (vLLM model class, quantization) pairs whose `load_weights` the copy plan
+#: is proven to replay exactly: their loaders record cleanly against vLLM
+#: 0.26's code, and the engines' logprobs matched the trainer's after
+#: replayed syncs on the H200s (docs/weight_sync.md "Architectures",
+#: tests/gpu/test_gpu_architectures.py; unquantized bf16 only). Any other
+#: pair (another class, or a quantized engine, whose parameters are not the
+#: trainer's tensors: an FP8 weight and its scale) loads through vLLM's own
+#: layerwise reload on every sync (`load_weights`, then each layer's post-load
+#: processing: MoE expert layouts, online quantization), as vLLM's own
+#: weight-transfer engines do.
+REPLAY_PROVEN = frozenset({("LlamaForCausalLM", None), ("Qwen2ForCausalLM", None)})
+
+
+def unproven(model: Any, model_config: Any) -> str | None:
+    """Why a vLLM model's loads do not replay recorded copies (vLLM's
+    layerwise reload then), or None: its (class, quantization) decides."""
+    kind = (type(model).__name__, model_config.quantization)
+    return None if kind in REPLAY_PROVEN else "{} (quantization {}) is not proven".format(*kind)
 
 
 class WorkerWeights:
@@ -101,11 +111,13 @@ class WorkerWeights:
     def weight_manifest_problems(self, manifest: dict, allow_partial: bool = False) -> list[str]:
         """Differences between the trainer's manifest and this worker's, one line each."""
         got = Manifest.model_validate(manifest)
+        expected = self.expected_manifest()
+        if not self.is_vllm_model():
+            return mismatches(expected, got, allow_partial=allow_partial)
         # A checkpoint may hold weights vLLM does not load (tied lm_head, rotary
-        # buffers), so on vLLM only the names the trainer sends are checked.
-        return mismatches(
-            self.expected_manifest(), got, allow_partial=allow_partial or self.is_vllm_model()
-        )
+        # buffers): only the names sent are checked, fused MoE experts per expert.
+        seen = moe.in_engine_layout(got, set(expected.names))
+        return mismatches(expected, seen, allow_partial=True)
 
     def problems_of(self, specs: list[ParamSpec]) -> list[str]:
         return self.weight_manifest_problems(
@@ -113,9 +125,11 @@ class WorkerWeights:
         )
 
     # --- loading -----------------------------------------------------------------------
+    def unproven(self) -> str | None:
+        return unproven(self.model(), self.host.model_config) if self.is_vllm_model() else None
+
     def replays(self) -> bool:
-        """Whether loads replay recorded copies (else vLLM's layerwise reload)."""
-        return not self.is_vllm_model() or type(self.model()).__name__ in REPLAY_PROVEN
+        return self.unproven() is None
 
     def load(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
         """Load through the model's loader once, then replay its copies
@@ -151,8 +165,8 @@ class WorkerWeights:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
             except ImportError as exc:
                 raise WeightSyncError(
-                    f"{type(model).__name__}: copy-plan replay is not proven for this model "
-                    f"class and vLLM's layerwise reload is not available ({exc})"
+                    f"{self.unproven()} for copy-plan replay and vLLM's layerwise reload "
+                    f"is not available ({exc})"
                 ) from exc
             initialize_layerwise_reload(model)
             self.reloading = True
@@ -174,9 +188,9 @@ class WorkerWeights:
 
     def copy_plan_status(self) -> dict:
         """Whether loads replay recorded copies (and how many), or why not."""
-        plan = self.copy_plan
-        if not self.replays():
-            refused = f"{type(self.model()).__name__} is not proven for replay: vLLM's reload"
+        plan, unproven = self.copy_plan, self.unproven()
+        if unproven:
+            refused = f"{unproven} for replay: vLLM's reload"
             return {"copies": 0, "refused": refused, "graph": False, "graph_error": None}
         if plan is None:
             return {"copies": 0, "refused": None, "graph": False, "graph_error": None}

@@ -68,6 +68,11 @@ class EngineParams(BaseModel):
     gpu_memory_utilization: float = Field(
         0.85, gt=0.0, le=1.0, description="Fraction of each GPU an engine may use (vLLM)."
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="'fp8': FP8 rollouts from a bf16 model and trainer (vLLM quantizes the "
+        "weights online at start-up and after every weight sync). Empty: as the checkpoint.",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description='Further vLLM engine arguments, e.g. {"enforce_eager": true}.',

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 # Seconds an engine may take to come up (vLLM start-up is ~50-80 s on an H200).
 READY_TIMEOUT_S = 300
@@ -21,6 +22,46 @@ LOGPROB_MEAN_ABS = 0.02
 # 2026-11-29), after a third mean 0.044. The bound leaves room for those.
 SYNCED_MAX_ABS = 0.2
 SYNCED_MEAN_ABS = 0.06
+#: Sequences whose prompt logprobs the sync tests compare (engine against trainer).
+PARITY_SEQUENCES = [list(range(5, 69)), [7, 99, 3, 250, 18, 64, 64, 12] * 4, list(range(200, 240))]
+
+
+@dataclass(frozen=True)
+class SyncParity:
+    """One sync of the weight-format matrix (test_gpu_weight_formats.py):
+    max and mean |engine - trainer| over the parity sequences' logprobs after
+    it, the mean distance a sync that loaded nothing would have shown (the
+    trainer's logprobs before against after its change), and its seconds."""
+
+    max_abs: float
+    mean_abs: float
+    stale_mean_abs: float
+    seconds: float
+
+
+def engine_prompt_logprobs(engine, timeout_s: float = 180) -> list[list[float]]:
+    """The engine's logprob of tokens 1..n-1 of each parity sequence."""
+    import ray
+
+    from engines import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outputs = ray.get(engine.generate.remote(PARITY_SEQUENCES, params), timeout=timeout_s)
+    return [
+        [
+            step[t].logprob
+            for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
+        ]
+        for o in outputs
+    ]
+
+
+def logprob_distance(ours: list[list[float]], theirs: list[list[float]]) -> tuple[float, float]:
+    """(max, mean) |difference| over every token."""
+    flat = [
+        abs(a - b) for x, y in zip(ours, theirs, strict=True) for a, b in zip(x, y, strict=True)
+    ]
+    return max(flat), sum(flat) / len(flat)
 
 
 def reference_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:

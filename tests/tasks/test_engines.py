@@ -85,5 +85,7 @@ def test_every_field_of_the_engine_section_reaches_the_spec(spec, model_dir):
         engine_kwargs={"dtype": "float32"},
     )
     assert engine_spec(section, pretrain=model_dir, backend="hf", seed=42) == spec
+    fp8 = section.model_copy(update={"quantization": "fp8"})
+    assert engine_spec(fp8, pretrain=model_dir, backend="vllm", seed=42).quantization == "fp8"
     # `model` is the section's name for the spec's `pretrain` (resolved first).
     assert set(EngineParams.model_fields) - set(EngineSetSpec.model_fields) == {"model"}

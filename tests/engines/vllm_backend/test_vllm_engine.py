@@ -105,3 +105,19 @@ def test_engine_args_are_the_configs_then_the_callers():
     assert one_gpu.distributed_executor_backend == "uni"
     quiet = engine_args(api, config.model_copy(update={"engine_kwargs": {}}))
     assert quiet.disable_log_stats is True
+    assert not hasattr(args, "quantization")  # None: vLLM reads the checkpoint's
+    fp8 = engine_args(api, config.model_copy(update={"quantization": "fp8"}))
+    assert fp8.quantization == "fp8"
+
+
+def test_quantization_is_fp8_or_none_and_never_an_engine_argument_too():
+    from engines.errors import EngineSpecError
+    from engines.spec import EngineSetSpec
+
+    settings = dict(name="e-0", pretrain="m", max_len=64, seed=3, rpc_timeout_s=5)
+    with pytest.raises(EngineSpecError, match="quantization='awq'"):
+        EngineConfig(**settings, quantization="awq")
+    with pytest.raises(EngineSpecError, match="pass it as create_vllm_engines' quantization="):
+        EngineSetSpec(
+            num_engines=1, pretrain="org/model", max_len=64, engine_kwargs={"quantization": "fp8"}
+        )

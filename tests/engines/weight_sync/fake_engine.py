@@ -5,6 +5,7 @@ real worker router over a small torch module; generation is a flag."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import torch
 
@@ -17,10 +18,12 @@ from engines.worker_extension import WeightSyncWorkerExtension
 
 
 class FakeWorker(WeightSyncWorkerExtension):
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, quantization: str | None = None):
         self.model = model
         self.device = torch.device("cpu")
         self.rank = 0
+        # What a vLLM worker's `model_config` tells the loading rule.
+        self.model_config = SimpleNamespace(quantization=quantization)
 
     def _model(self):
         return self.model

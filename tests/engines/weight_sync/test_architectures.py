@@ -1,6 +1,7 @@
 """Every CPU transport into every architecture the CPU engine runs: random
 tiny models built from transformers configs in the layouts of Llama 3, Qwen2
-(tied embeddings), Qwen3, Mistral, Gemma 2 and Qwen2-MoE. The engine side is
+(tied embeddings), Qwen3, Mistral, Gemma 2, Qwen2-MoE and Qwen3-MoE (fused
+experts, as transformers 5 holds them on both sides). The engine side is
 the real session and worker (`fake_engine.py` stands in for the actor only);
 the trainer is another instance of the same architecture. After each sync
 the engine's weights are the trainer's, bit for bit, and so are its logits

@@ -61,13 +61,6 @@ def test_a_resized_vocabulary_is_named_with_both_row_counts():
     assert head == "'lm_head.weight': shape [10, 5] from the trainer, [10, 4] on the engine"
 
 
-def test_fused_moe_experts_get_a_hint_about_the_checkpoint_layout():
-    engine = manifest(**{"model.layers.0.mlp.experts.0.gate_proj.weight": (4, 8)})
-    trainer = manifest(**{"model.layers.0.mlp.experts.gate_up_proj": (2, 8, 8)})
-    (problem,) = mismatches(engine, trainer, allow_partial=True)
-    assert "no such parameter (transformers' fused expert layout" in problem
-
-
 def test_partial_manifest_only_when_allowed():
     engine = manifest(w=(2,), b=(3,))
     trainer = manifest(w=(2,))

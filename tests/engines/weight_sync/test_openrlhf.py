@@ -107,3 +107,51 @@ def test_resized_embeddings_are_refused_naming_both_sizes():
     for name, tensor in engine.worker.model.named_parameters():
         assert torch.equal(tensor.detach(), before[name]), name
     assert (engine.weight_version, engine.paused) == (0, False)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """vLLM-shaped (`load_weights`) over a transformers MoE model: it takes
+    the fused expert names, as vLLM 0.26's MoE loader does, while its
+    manifest is the checkpoint's, per expert. Named as a class whose loading
+    is replayed, so it loads without vLLM."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def load_weights(self, weights):
+        params = dict(self.inner.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+
+
+def test_a_stream_of_fused_moe_experts_completes_a_per_expert_manifest(tmp_path):
+    from architectures import build, write
+    from transformers import AutoModelForCausalLM
+
+    from engines.weight_sync import checkpoint
+
+    path = write("qwen3-moe", tmp_path / "model")
+    inner = build("qwen3-moe", seed=3, vocab_size=320).to(torch.bfloat16)
+    engine = FakeEngine(LlamaForCausalLM(inner))
+    engine.worker._weight_worker().expected = checkpoint.read_manifest(path)
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    trained = state(trainer)
+    assert any(name.endswith("experts.gate_up_proj") for name in trained)
+
+    async def sync():
+        group = await join(engine)
+        try:
+            names = list(trained)
+            for i, name in enumerate(names):
+                await send(engine, group, name, trained[name])  # never empty_cache
+                if i < len(names) - 1:
+                    assert engine.weight_version == 0 and engine.paused
+            assert (engine.weight_version, engine.stale, engine.paused) == (1, False, False)
+        finally:
+            group.destroy()
+            await engine.destroy_weight_group()
+
+    run(sync())
+    for name, tensor in engine.worker.model.inner.named_parameters():
+        assert torch.equal(tensor.detach(), trained[name]), name

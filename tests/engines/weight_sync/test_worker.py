@@ -1,5 +1,6 @@
 """A worker's loading rule: copy-plan replay only for the vLLM model classes
-proven equal to their own loader; any other vLLM model goes through vLLM's
+and quantizations proven equal to their own loader; any other vLLM model
+(another class, or a proven class started quantized) goes through vLLM's
 layerwise reload, or fails naming its class where vLLM is missing (here)."""
 
 from __future__ import annotations
@@ -44,16 +45,25 @@ def test_a_proven_class_replays_its_recorded_copies():
     assert worker.copy_plan_status()["copies"] == 1
 
 
-def test_an_unproven_class_is_not_replayed_and_needs_vllms_reload():
-    model = Qwen2MoeForCausalLM()
-    worker = WorkerWeights(FakeWorker(model))
+@pytest.mark.parametrize(
+    ("model_class", "quantization"),
+    [(Qwen2MoeForCausalLM, None), (LlamaForCausalLM, "fp8")],
+    ids=["unproven-class", "proven-class-quantized"],
+)
+def test_an_unproven_pair_is_not_replayed_and_needs_vllms_reload(model_class, quantization):
+    model = model_class()
+    worker = WorkerWeights(FakeWorker(model, quantization=quantization))
+    name = model_class.__name__
     assert not worker.replays()
-    assert "Qwen2MoeForCausalLM is not proven" in worker.copy_plan_status()["refused"]
+    refused = worker.copy_plan_status()["refused"]
+    assert f"{name} (quantization {quantization}) is not proven" in refused
     try:
         import vllm  # noqa: F401
     except ImportError:
-        with pytest.raises(WeightSyncError, match="Qwen2MoeForCausalLM: copy-plan replay is not"):
+        with pytest.raises(
+            WeightSyncError, match=rf"{name} \(quantization {quantization}\) is not"
+        ):
             worker.load([("weight", torch.ones(3))])
         assert model.calls == 0
-    else:  # with vLLM: tests/gpu/test_gpu_architectures.py
+    else:  # with vLLM: tests/gpu/test_gpu_architectures.py, test_gpu_weight_formats.py
         pytest.skip("vLLM is installed: the reload path is tested on the GPU hosts")
