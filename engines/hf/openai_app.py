@@ -155,7 +155,7 @@ class Routes:
         self.check_length(prompt, "messages")
         output = (await self.generate([prompt], params, scope))[0]
         choices = [
-            self.chat_choice(completion, choice, parser, top, body.return_token_ids)
+            chat_choice(completion, choice, parser, top, body.return_token_ids)
             for completion in output.outputs
         ]
         return p.ChatCompletionResponse(
@@ -239,35 +239,37 @@ class Routes:
             )
         return choice, TOOL_PARSERS.get(name) if name else None
 
-    def chat_choice(self, completion: CompletionOutput, choice, parser, top, return_ids):
-        text, finish = completion.text, completion.finish_reason
-        if isinstance(choice, p.ChatCompletionNamedToolChoiceParam):
-            # As vLLM: the answer is the named function's arguments.
-            answer = ParsedAnswer(None, [ParsedCall(choice.function.name, text)])
-        elif choice == "required":
-            answer = required_calls(text, parser)
-        elif choice == "auto" and parser is not None:
-            answer = parser(text)
-        else:
-            answer = ParsedAnswer(text)
-        if answer.calls and choice == "auto":
-            finish = "tool_calls"
-        message = p.ChatMessage(
-            role="assistant",
-            content=answer.content,
-            tool_calls=[
-                p.ToolCall(function=p.FunctionCall(name=c.name, arguments=c.arguments))
-                for c in answer.calls
-            ],
-        )
-        return p.ChatCompletionResponseChoice(
-            index=completion.index,
-            message=message,
-            logprobs=chat_logprobs(completion, top),
-            finish_reason=finish,
-            stop_reason=completion.stop_reason,
-            **token_fields(completion, None, return_ids),
-        )
+
+def chat_choice(completion: CompletionOutput, choice, parser, top, return_ids):
+    """One chat choice: the answer's tool calls parsed as `choice` asks."""
+    text, finish = completion.text, completion.finish_reason
+    if isinstance(choice, p.ChatCompletionNamedToolChoiceParam):
+        # As vLLM: the answer is the named function's arguments.
+        answer = ParsedAnswer(None, [ParsedCall(choice.function.name, text)])
+    elif choice == "required":
+        answer = required_calls(text, parser)
+    elif choice == "auto" and parser is not None:
+        answer = parser(text)
+    else:
+        answer = ParsedAnswer(text)
+    if answer.calls and choice in ("auto", "required"):  # as vLLM; a named choice: "stop"
+        finish = "tool_calls"
+    message = p.ChatMessage(
+        role="assistant",
+        content=answer.content,
+        tool_calls=[
+            p.ToolCall(function=p.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in answer.calls
+        ],
+    )
+    return p.ChatCompletionResponseChoice(
+        index=completion.index,
+        message=message,
+        logprobs=chat_logprobs(completion, top),
+        finish_reason=finish,
+        stop_reason=completion.stop_reason,
+        **token_fields(completion, None, return_ids),
+    )
 
 
 def required_calls(text: str, parser) -> ParsedAnswer:
