@@ -22,6 +22,10 @@ class OpenAIBaseModel(BaseModel):
 
 
 # --- requests ---------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
 class SamplingFields(OpenAIBaseModel):
     """What both generating routes share: the model and vLLM's sampling fields."""
 
@@ -43,6 +47,7 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     max_tokens: int | None = None
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
 
 

@@ -152,6 +152,30 @@ def test_tools_reach_the_answer_as_tool_calls(api):
     assert call.function.name == "get_weather" and call.type == "function"
 
 
+def test_streams_carry_the_same_answer_as_server_sent_events(api):
+    ask = {"model": None, "messages": HI, "max_tokens": 6, "n": 2, "seed": 3}
+    whole = api.chat.completions.create(**ask)
+    raw = api.chat.completions.with_raw_response.create(
+        **ask, stream=True, stream_options={"include_usage": True}
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.headers["x-weight-versions"] == "0"
+    text, finish, usage = {0: "", 1: ""}, {}, None
+    for chunk in raw.parse():
+        for choice in chunk.choices:
+            text[choice.index] += choice.delta.content or ""
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+        usage = chunk.usage or usage
+    assert text == {c.index: c.message.content for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    plain = api.completions.create(model=None, prompt="ab", max_tokens=4, **GREEDY)
+    streamed = api.completions.create(model=None, prompt="ab", max_tokens=4, stream=True, **GREEDY)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[0].choices[0].token_ids == plain.choices[0].token_ids
+
+
 BAD = [
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model", "`nope` does not exist"),
     (
@@ -180,7 +204,7 @@ BAD = [
     ),
     ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt", "999"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature"),
-    ("/v1/completions", {"prompt": "x", "stream": True}, 400, "stream", "stream"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "echo"),
 ]
 
 
