@@ -9,7 +9,6 @@ engines); `build_app` is its FastAPI front. The Ray actor that serves it is
 from __future__ import annotations
 
 import asyncio
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engines.routing import NoLiveEngineError, Placement, RouterStats, Routing
+from engines.serving import VERSIONS_HEADER, error_body, record_versions
 from engines.sessions import TrajectoryBuilder, TurnParseError, describe_split, parse_turn
 from engines.trajectory import TrajectorySample
 
@@ -30,34 +30,16 @@ _CONNECTION_LOST = (
     httpx.WriteError,
     httpx.RemoteProtocolError,
 )
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-WEIGHT_VERSIONS_HEADER = "X-Weight-Versions"
 
 
 class ProxyError(Exception):
-    """Answered as vLLM's (OpenAI's) error shape with `status`."""
+    """Answered in vLLM's (OpenAI's) error shape with HTTP `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status = status
         self.param = param
-
-    def response(self) -> JSONResponse:
-        error = {
-            "message": str(self),
-            "type": _ERROR_TYPES.get(self.status, "InternalServerError"),
-            "param": self.param,
-            "code": self.status,
-        }
-        return JSONResponse({"error": error}, status_code=self.status)
 
 
 @dataclass
@@ -77,22 +59,23 @@ class SessionProxy:
         self.api_key = api_key
         self._client = client
         self._sessions: dict[str, _Session] = {}
+        #: The newest weight version an engine reported: the router's own
+        #: answers (its errors) name it in their X-Weight-Versions header.
+        self.latest_version = 0
 
     async def session_request(
         self, session_id: str, kind: Literal["chat", "completion"], body: Any
-    ) -> Response:
+    ) -> httpx.Response:
         """One turn of a session: forwarded with token ids asked for, recorded."""
         _check_turn(body)
         session = self._sessions.setdefault(session_id, _Session())
         async with session.lock:
-            engine, response = await self._forward(
-                session_id, "POST", _PATHS[kind], _asking_ids(body, kind)
-            )
+            forwarded = _asking_ids(body, kind)
+            engine, response = await self._forward(session_id, "POST", _PATHS[kind], forwarded)
             if response.status_code != 200:
-                return _passthrough(response)
-            versions = _header_versions(response)
+                return response
             try:
-                turn = parse_turn(response.json(), kind, engine, versions)
+                turn = parse_turn(response.json(), kind, engine, header_versions(response))
             except (TurnParseError, ValueError) as exc:
                 raise ProxyError(502, f"session {session_id!r}: {exc}") from exc
             reason = None
@@ -105,14 +88,14 @@ class SessionProxy:
                     await self._token_text(engine, found.prompt_token),
                 )
             session.builder.add_turn(turn, reason)
-            return _passthrough(response)
+            return response
 
-    async def plain_request(self, method: str, path: str, body: Any = None) -> Response:
+    async def plain_request(self, method: str, path: str, body: Any = None) -> httpx.Response:
         """A request outside any session, to the least-loaded (or next) engine."""
         if isinstance(body, dict) and body.get("stream"):
             raise ProxyError(400, "stream=true is not proxied; send stream=false", "stream")
         _, response = await self._forward(None, method, path, body)
-        return _passthrough(response)
+        return response
 
     async def take(self, session_id: str) -> list[TrajectorySample]:
         """The session's samples, in order; the session is forgotten."""
@@ -165,6 +148,7 @@ class SessionProxy:
                     504, f"engine {engine} did not answer session {session_id!r} in time: {exc!r}"
                 ) from exc
             self.placement.end(engine, *_prompt_usage(response))
+            self.latest_version = max([self.latest_version, *header_versions(response)])
             return engine, response
         raise ProxyError(
             503,
@@ -216,8 +200,8 @@ def _asking_ids(body: dict[str, Any], kind: str) -> dict[str, Any]:
     return body
 
 
-def _header_versions(response: httpx.Response) -> list[int]:
-    raw = response.headers.get(WEIGHT_VERSIONS_HEADER, "")
+def header_versions(response: httpx.Response) -> list[int]:
+    raw = response.headers.get(VERSIONS_HEADER, "")
     return [int(v) for v in raw.split(",") if v.strip()]
 
 
@@ -233,33 +217,28 @@ def _prompt_usage(response: httpx.Response) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
 
 
-def _passthrough(response: httpx.Response) -> Response:
-    headers = {}
-    if WEIGHT_VERSIONS_HEADER in response.headers:
-        headers[WEIGHT_VERSIONS_HEADER] = response.headers[WEIGHT_VERSIONS_HEADER]
+def _passthrough(request: Request, response: httpx.Response) -> Response:
+    """The engine's answer as it is; its versions go to `ServingMiddleware`,
+    which puts them in the router's own X-Weight-Versions header."""
+    record_versions(request.scope, header_versions(response))
     return Response(
         response.content,
         status_code=response.status_code,
-        headers=headers,
         media_type=response.headers.get("content-type", "application/json"),
     )
 
 
 def build_app(proxy: SessionProxy) -> FastAPI:
     """The router's routes: a session's /sessions/{id}/v1/..., the sessionless
-    /v1/..., /tokenize and /detokenize; every one behind the bearer token."""
-    app = FastAPI(title="rolloutflow router")
-    expected = f"Bearer {proxy.api_key}".encode()
+    /v1/..., /tokenize and /detokenize. Served behind `engines.serving`'s
+    bearer-token auth and version header (`OpenAIServer`)."""
+    app = FastAPI(title="rolloutflow router", openapi_url=None)
 
     @app.exception_handler(ProxyError)
     async def _error(_: Request, exc: ProxyError) -> JSONResponse:
-        return exc.response()
+        return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status)
 
     async def body_of(request: Request) -> Any:
-        if not secrets.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            raise ProxyError(401, "missing or wrong bearer token")
-        if request.method == "GET":
-            return None
         try:
             return await request.json()
         except ValueError as exc:
@@ -267,21 +246,23 @@ def build_app(proxy: SessionProxy) -> FastAPI:
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def session_chat(session_id: str, request: Request) -> Response:
-        return await proxy.session_request(session_id, "chat", await body_of(request))
+        response = await proxy.session_request(session_id, "chat", await body_of(request))
+        return _passthrough(request, response)
 
     @app.post("/sessions/{session_id}/v1/completions")
     async def session_completion(session_id: str, request: Request) -> Response:
-        return await proxy.session_request(session_id, "completion", await body_of(request))
+        response = await proxy.session_request(session_id, "completion", await body_of(request))
+        return _passthrough(request, response)
 
     @app.get("/sessions/{session_id}/v1/models")
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await body_of(request)
-        return await proxy.plain_request("GET", "/v1/models")
+        return _passthrough(request, await proxy.plain_request("GET", "/v1/models"))
 
     def forwarding(path: str):
         async def plain(request: Request) -> Response:
-            return await proxy.plain_request("POST", path, await body_of(request))
+            response = await proxy.plain_request("POST", path, await body_of(request))
+            return _passthrough(request, response)
 
         return plain
 

@@ -15,8 +15,6 @@ that moves a session, hence this small proxy (`engines.proxy`) in a Ray actor.
 from __future__ import annotations
 
 import asyncio
-import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,17 +23,19 @@ import ray
 
 from engines.errors import EngineSpecError
 from engines.proxy import SessionProxy, build_app
-from engines.routing import ROUTINGS, Routing, RouterStats
+from engines.routing import ROUTINGS, RouterStats, Routing
+from engines.serving import OpenAIServer
 from engines.trajectory import TrajectorySample
 
 
 class RouterActor:
-    """The Ray actor: the proxy served by uvicorn in the actor's event loop."""
+    """The Ray actor: the proxy, served by `engines.serving.OpenAIServer` in
+    the actor's event loop (the engines' own server: bearer auth, the
+    X-Weight-Versions header, the node's address, a free port)."""
 
     def __init__(self) -> None:
         self._proxy: SessionProxy | None = None
-        self._server: Any = None
-        self._serving: asyncio.Task | None = None
+        self._server = OpenAIServer("router")
         self._client: httpx.AsyncClient | None = None
 
     async def start(
@@ -47,8 +47,6 @@ class RouterActor:
         start_timeout_s: float,
     ) -> str:
         """Find every engine's endpoint, then serve; returns the router's URL."""
-        import uvicorn
-
         urls = {}
         for handle in engines:
             name = await asyncio.wait_for(handle.ready.remote(), start_timeout_s)
@@ -58,26 +56,15 @@ class RouterActor:
                     f"engine {name} serves no OpenAI endpoint: create the engines with "
                     f"openai_api=True"
                 )
-            urls[name] = url.removesuffix("/").removesuffix("/v1")
+            urls[name] = url.removesuffix("/v1")
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=min(10.0, request_timeout_s)),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         self._proxy = SessionProxy(urls, api_key, routing, self._client)
-        config = uvicorn.Config(
-            build_app(self._proxy), log_level="warning", access_log=False, lifespan="off"
-        )
-        self._server = uvicorn.Server(config)
-        host = ray.util.get_node_ip_address()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((host, 0))  # a free port, on the node's address
-        self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-        deadline = time.monotonic() + start_timeout_s
-        while not self._server.started:
-            if self._serving.done() or time.monotonic() > deadline:
-                raise RuntimeError(f"the router's server did not start on {host}: {self._serving}")
-            await asyncio.sleep(0.01)
-        return f"http://{host}:{sock.getsockname()[1]}"
+        proxy = self._proxy
+        url = await self._server.start(build_app(proxy), api_key, lambda: proxy.latest_version)
+        return url.removesuffix("/v1")
 
     async def take_trajectory(self, session_id: str) -> list[TrajectorySample]:
         """The session's samples, in order; the session is forgotten."""
@@ -88,9 +75,7 @@ class RouterActor:
 
     async def close(self) -> None:
         """Stop serving, forget every session, close the engines' client."""
-        if self._server is not None:
-            self._server.should_exit = True
-            await asyncio.wait_for(self._serving, 30)
+        await self._server.stop()
         if self._proxy is not None:
             self._proxy.forget_all()
         if self._client is not None:
@@ -133,7 +118,10 @@ def start_router(
         raise EngineSpecError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     if not isinstance(api_key, str) or not api_key:
         raise EngineSpecError("start_router needs the engines' bearer token (api_key)")
-    for name, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s)):
+    for name, value in (
+        ("request_timeout_s", request_timeout_s),
+        ("start_timeout_s", start_timeout_s),
+    ):
         if not value > 0:
             raise EngineSpecError(f"{name} must be > 0, got {value!r}")
     actor = ray.remote(RouterActor).options(num_cpus=0, max_restarts=0).remote()

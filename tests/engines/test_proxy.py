@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engines.proxy import SessionProxy, build_app
+from engines.serving import ServingMiddleware
 from engines.trajectory import NOT_SAMPLED
 
 KEY = "sk-test"
@@ -96,7 +97,9 @@ class Setup:
         self.links = {n: Dying(app) for n, app in self.apps.items()}
         client = httpx.AsyncClient(mounts={f"http://{n}": t for n, t in self.links.items()})
         self.proxy = SessionProxy({n: f"http://{n}" for n in self.apps}, KEY, routing, client)
-        self.transport = httpx.ASGITransport(build_app(self.proxy))
+        # behind the engines' auth and version middleware, as the router actor serves it
+        app = ServingMiddleware(build_app(self.proxy), KEY, lambda: self.proxy.latest_version)
+        self.transport = httpx.ASGITransport(app)
 
     def client(self, session: str | None, key: str = KEY) -> openai.AsyncOpenAI:
         base = f"http://router/sessions/{session}/v1" if session else "http://router/v1"
@@ -147,7 +150,7 @@ def test_a_session_is_recorded_exactly_and_stays_on_its_engine():
     )
     assert all(m == 0 for m in sample.loss_mask[env.start : env.stop])
     assert set(sample.token_versions[env.start : env.stop]) == {NOT_SAMPLED}
-    assert {v for v, m in zip(sample.token_versions, sample.loss_mask) if m} == {2}
+    assert {v for v, m in zip(sample.token_versions, sample.loss_mask, strict=True) if m} == {2}
     e0 = stats.engines[0]
     assert (e0.requests, e0.sessions, e0.cached_prompt_tokens) == (3, 1, 3)
     assert e0.prompt_tokens == 29 + 53 + 77  # the three rendered prompts
@@ -222,9 +225,7 @@ def test_a_history_rewriting_template_splits_the_sample():
     assert second.loss_mask == [1] * len(second.response_token_ids)
 
 
-@pytest.mark.parametrize(
-    ("extra", "param"), [({"n": 2}, "n"), ({"stream": True}, "stream")]
-)
+@pytest.mark.parametrize(("extra", "param"), [({"n": 2}, "n"), ({"stream": True}, "stream")])
 def test_requests_a_session_cannot_record_are_a_400(extra, param):
     setup = Setup()
 
