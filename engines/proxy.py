@@ -9,6 +9,7 @@ engines); `build_app` is its FastAPI front. The Ray actor that serves it is
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,12 +51,20 @@ class _Session:
 
 
 class SessionProxy:
-    """Routes requests to engines (`engines`: name -> base URL, without /v1)."""
+    """Routes requests to engines (`engines`: name -> base URL, without /v1;
+    `alive(name)`: whether that engine's actor still serves, asked when its
+    connection is lost)."""
 
     def __init__(
-        self, engines: dict[str, str], api_key: str, routing: Routing, client: httpx.AsyncClient
+        self,
+        engines: dict[str, str],
+        api_key: str,
+        routing: Routing,
+        client: httpx.AsyncClient,
+        alive: Callable[[str], Awaitable[bool]],
     ):
         self.placement = Placement(engines, routing)
+        self._alive = alive
         self.api_key = api_key
         self._client = client
         self._sessions: dict[str, _Session] = {}
@@ -118,8 +127,8 @@ class SessionProxy:
     async def _forward(
         self, session_id: str | None, method: str, path: str, body: Any
     ) -> tuple[str, httpx.Response]:
-        """Send to the session's engine; on a lost connection, once more to
-        another live engine (the session moves there)."""
+        """Send to the session's engine; on a lost connection, once more: to
+        another live engine when this one is dead (the session moves there)."""
         failed: list[str] = []
         break_reason = ""
         for _ in range(2):
@@ -138,7 +147,9 @@ class SessionProxy:
                 )
             except _CONNECTION_LOST as exc:
                 self.placement.end(engine)
-                self.placement.mark_down(engine)
+                # A live engine (a pooled connection it had closed): the same
+                # engine again; a dead one: no more requests go there.
+                self.placement.connection_lost(engine, down=not await self._alive(engine))
                 failed.append(f"{engine} ({type(exc).__name__})")
                 break_reason = f"engine {engine} lost the connection: {exc!r}"
                 continue

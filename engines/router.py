@@ -27,6 +27,9 @@ from engines.routing import ROUTINGS, RouterStats, Routing
 from engines.serving import OpenAIServer
 from engines.trajectory import TrajectorySample
 
+#: How long an engine whose connection was lost has to answer `health`.
+ALIVE_TIMEOUT_S = 10.0
+
 
 class RouterActor:
     """The Ray actor: the proxy, served by `engines.serving.OpenAIServer` in
@@ -47,7 +50,7 @@ class RouterActor:
         start_timeout_s: float,
     ) -> str:
         """Find every engine's endpoint, then serve; returns the router's URL."""
-        urls = {}
+        urls, handles = {}, {}
         for handle in engines:
             name = await asyncio.wait_for(handle.ready.remote(), start_timeout_s)
             url = await asyncio.wait_for(handle.openai_url.remote(), start_timeout_s)
@@ -56,12 +59,20 @@ class RouterActor:
                     f"engine {name} serves no OpenAI endpoint: create the engines with "
                     f"openai_api=True"
                 )
-            urls[name] = url.removesuffix("/v1")
+            urls[name], handles[name] = url.removesuffix("/v1"), handle
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=min(10.0, request_timeout_s)),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
-        self._proxy = SessionProxy(urls, api_key, routing, self._client)
+
+        async def alive(name: str) -> bool:
+            try:
+                await asyncio.wait_for(handles[name].health.remote(), ALIVE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - dead, failed or hung: not serving
+                return False
+            return True
+
+        self._proxy = SessionProxy(urls, api_key, routing, self._client, alive)
         proxy = self._proxy
         url = await self._server.start(build_app(proxy), api_key, lambda: proxy.latest_version)
         return url.removesuffix("/v1")

@@ -32,7 +32,7 @@ class EngineStats(BaseModel):
     prompt_tokens: int
     #: Prompt tokens the engine reported served from its prefix cache.
     cached_prompt_tokens: int
-    #: Requests that failed on this engine's connection (then retried elsewhere).
+    #: Requests whose connection to this engine was lost (then retried).
     failures: int
 
 
@@ -110,10 +110,12 @@ class Placement:
         load.prompt_tokens += prompt_tokens
         load.cached_prompt_tokens += cached_tokens
 
-    def mark_down(self, engine: str) -> None:
-        """The engine's connection failed: no new request goes there."""
-        self._loads[engine].alive = False
+    def connection_lost(self, engine: str, down: bool) -> None:
+        """A request's connection to `engine` failed; `down`: the engine is
+        dead, no new request goes there."""
         self._loads[engine].failures += 1
+        if down:
+            self._loads[engine].alive = False
 
     def forget(self, session: str) -> None:
         self.sessions.pop(session, None)

@@ -84,10 +84,14 @@ class Dying(httpx.AsyncBaseTransport):
     def __init__(self, app: FastAPI):
         self.inner = httpx.ASGITransport(app)
         self.dead = False
+        self.drops = 0  # requests whose connection drops, the engine alive
 
     async def handle_async_request(self, request):
         if self.dead:
             raise httpx.ConnectError("connection refused", request=request)
+        if self.drops:
+            self.drops -= 1
+            raise httpx.ReadError("connection reset", request=request)
         return await self.inner.handle_async_request(request)
 
 
@@ -96,10 +100,14 @@ class Setup:
         self.apps = {n: fake_engine(n, rewrite_history) for n in ("e0", "e1")}
         self.links = {n: Dying(app) for n, app in self.apps.items()}
         client = httpx.AsyncClient(mounts={f"http://{n}": t for n, t in self.links.items()})
-        self.proxy = SessionProxy({n: f"http://{n}" for n in self.apps}, KEY, routing, client)
+        urls = {n: f"http://{n}" for n in self.apps}
+        self.proxy = SessionProxy(urls, KEY, routing, client, self.alive)
         # behind the engines' auth and version middleware, as the router actor serves it
         app = ServingMiddleware(build_app(self.proxy), KEY, lambda: self.proxy.latest_version)
         self.transport = httpx.ASGITransport(app)
+
+    async def alive(self, engine: str) -> bool:
+        return not self.links[engine].dead
 
     def client(self, session: str | None, key: str = KEY) -> openai.AsyncOpenAI:
         base = f"http://router/sessions/{session}/v1" if session else "http://router/v1"
@@ -198,6 +206,15 @@ def test_an_engine_that_dies_mid_session_hands_the_session_over():
     by_name = {e.name: e for e in stats.engines}
     assert not by_name["e0"].alive and by_name["e0"].failures == 1
     assert by_name["e0"].in_flight == 0 and stats.open_sessions == 0
+
+
+def test_a_dropped_connection_to_a_live_engine_is_retried_there():
+    setup = Setup()
+    setup.links["e0"].drops = 1
+    run(converse(setup.client("s"), 1))
+    assert len(setup.apps["e0"].state.requests) == 1 and not setup.apps["e1"].state.requests
+    e0 = setup.proxy.stats().engines[0]
+    assert e0.alive and e0.failures == 1 and e0.sessions == 1
 
 
 def test_no_engine_left_is_a_503_naming_the_engines_and_the_session():

@@ -19,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 import ray
+from waiting import wait_until
 
 from engines import EngineSetSpec, destroy_engines, start_engine_set
 from engines.router import start_router
@@ -133,39 +134,51 @@ def template_routers(ray_local_module, models):
             destroy_engines(engines)
 
 
-async def tool_session(router, key, session, model, turns=5, **extra):
-    """An agent's loop: a question, then each answer followed by a tool result
-    (the environment). Returns what the client saw of each turn."""
-    client = openai.AsyncOpenAI(base_url=router.session_url(session), api_key=key, max_retries=0)
-    messages = [
-        {"role": "system", "content": "Answer with the tool's help."},
-        {"role": "user", "content": "What does 'ray' mean?"},
-    ]
-    seen = []
-    for k in range(turns):
-        reply = await client.chat.completions.create(
-            model=model,
-            messages=messages,
-            tools=TOOLS,
-            tool_choice="none",
-            max_tokens=6,
-            temperature=1.0,
-            **extra,
-        )
+class ToolAgent:
+    """An agent's loop against its session: a question, then each answer
+    followed by a tool result (the environment). `seen`: what the client saw
+    of each turn."""
+
+    def __init__(self, router, key, session, model, **extra):
+        self.url, self.key = router.session_url(session), key
+        self.model, self.extra = model, extra
+        self.messages = [
+            {"role": "system", "content": "Answer with the tool's help."},
+            {"role": "user", "content": "What does 'ray' mean?"},
+        ]
+        self.seen = []
+
+    async def turn(self) -> None:
+        # a client per turn: each test step runs in its own event loop
+        async with openai.AsyncOpenAI(base_url=self.url, api_key=self.key, max_retries=0) as client:
+            reply = await client.chat.completions.create(
+                model=self.model,
+                messages=self.messages,
+                tools=TOOLS,
+                tool_choice="none",
+                max_tokens=6,
+                temperature=1.0,
+                **self.extra,
+            )
         choice = reply.choices[0]
-        seen.append(
+        self.seen.append(
             {
                 "prompt": reply.model_extra["prompt_token_ids"],
                 "ids": choice.model_extra["token_ids"],
                 "logprobs": [c.logprob for c in choice.logprobs.content],
-                "versions": choice.model_extra["token_versions"],
             }
         )
-        messages.append({"role": "assistant", "content": choice.message.content})
+        k = len(self.seen)
         result = json.dumps({"word": "ray", "meaning": f"beam {k}"})
-        messages.append({"role": "tool", "tool_call_id": f"call-{k}", "content": result})
-    await client.close()
-    return seen
+        self.messages.append({"role": "assistant", "content": choice.message.content})
+        self.messages.append({"role": "tool", "tool_call_id": f"call-{k}", "content": result})
+
+
+async def tool_session(router, key, session, model, turns=5, **extra):
+    agent = ToolAgent(router, key, session, model, **extra)
+    for _ in range(turns):
+        await agent.turn()
+    return agent.seen
 
 
 def check_exact(samples, seen):
@@ -237,4 +250,75 @@ def test_a_tool_session_trains_on_the_exact_ids_or_splits(
         previous = seen[k - 2]["prompt"]
         assert f"position {len(previous) - len(EMPTY_THINK)}:" in reason
         assert "the stream has 30 '<'" in reason
+    assert router.stats().open_sessions == 0
+
+
+@pytest.fixture
+def pair(ray_local, models):
+    engines, key = engine_set(models["qwen2.5"], "rt-pair", num_engines=2)
+    router = None
+    try:
+        router = start_router(list(engines), key, start_timeout_s=READY_S)
+        yield engines, key, router
+    finally:
+        if router is not None:
+            router.close()
+        destroy_engines(engines)
+
+
+def killed(engine) -> None:
+    ray.kill(engine, no_restart=True)
+
+    def dead() -> bool:
+        try:
+            ray.get(engine.health.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    wait_until(dead, 60, "the killed engine's actor to be dead")
+
+
+def test_sticky_least_loaded_then_an_engine_killed_mid_session(pair, models):
+    engines, key, router = pair
+    e0, e1 = engines.names
+    agents = {s: ToolAgent(router, key, s, models["qwen2.5"]) for s in "abc"}
+
+    async def turns(*sessions):
+        for session in sessions:  # one after another: placement is deterministic
+            await agents[session].turn()
+
+    asyncio.run(turns("a", "b", "c"))
+    stats = router.stats()
+    # new sessions: fewest in flight (none), then fewest sessions held
+    assert {e.name: (e.sessions, e.requests) for e in stats.engines} == {e0: (2, 2), e1: (1, 1)}
+    asyncio.run(turns("a", "b", "c"))
+    stats = router.stats()  # sticky: each session's second turn on its engine
+    assert {e.name: (e.sessions, e.requests) for e in stats.engines} == {e0: (2, 4), e1: (1, 2)}
+    assert all(e.prompt_tokens > 0 and e.in_flight == 0 for e in stats.engines)
+
+    killed(engines[0])
+    asyncio.run(turns("a"))  # a's engine is gone: the turn runs on e1, a moves there
+    stats = router.stats()
+    by_name = {e.name: e for e in stats.engines}
+    assert not by_name[e0].alive and by_name[e0].failures == 1
+    # a moved to e1; c moves on its next request
+    assert (by_name[e1].sessions, by_name[e1].requests) == (2, 3)
+    assert by_name[e0].sessions == 1
+    [sample] = ray.get(router.actor.take_trajectory.remote("a"), timeout=30)
+    assert [t.engine for t in sample.turns if t.role == "assistant"] == [e0, e0, e1]
+    check_exact([sample], agents["a"].seen)
+
+    killed(engines[1])
+    with pytest.raises(openai.InternalServerError) as caught:
+        asyncio.run(turns("b"))
+    assert caught.value.status_code == 503
+    message = caught.value.body["message"]
+    # (ConnectError, or ReadError on a pooled connection the dying engine dropped)
+    assert "session 'b'" in message and f"failed: {e1} (" in message
+    assert "no live engine left" in message
+    # the failed turn is not recorded; the session's first two turns are
+    [sample] = ray.get(router.actor.take_trajectory.remote("b"), timeout=30)
+    check_exact([sample], agents["b"].seen)
+    ray.get(router.actor.take_trajectory.remote("c"), timeout=30)
     assert router.stats().open_sessions == 0

@@ -29,11 +29,13 @@ def test_least_loaded_counts_requests_in_flight_before_sessions_held():
 def test_a_session_on_a_down_engine_moves_and_no_engine_left_is_an_error():
     placement = Placement(ENGINES, "sticky")
     assert placement.pick("s") == "e0"
-    placement.mark_down("e0")
+    placement.connection_lost("e0", down=False)  # alive: the session stays
+    assert placement.pick("s") == "e0"
+    placement.connection_lost("e0", down=True)
     assert placement.pick("s") == "e1"
     assert placement.sessions == {"s": "e1"}
-    placement.mark_down("e1")
-    placement.mark_down("e2")
+    placement.connection_lost("e1", down=True)
+    placement.connection_lost("e2", down=True)
     with pytest.raises(NoLiveEngineError, match="no live engine left"):
         placement.pick(None)
 
@@ -41,7 +43,7 @@ def test_a_session_on_a_down_engine_moves_and_no_engine_left_is_an_error():
 def test_round_robin_skips_down_engines_and_ignores_sessions():
     placement = Placement(ENGINES, "round_robin")
     assert [placement.pick("s") for _ in range(3)] == ["e0", "e1", "e2"]
-    placement.mark_down("e1")
+    placement.connection_lost("e1", down=True)
     assert [placement.pick(None) for _ in range(3)] == ["e0", "e2", "e0"]
 
 
