@@ -76,7 +76,7 @@ class SessionProxy:
         self, session_id: str, kind: Literal["chat", "completion"], body: Any
     ) -> httpx.Response:
         """One turn of a session: forwarded with token ids asked for, recorded."""
-        _check_turn(body)
+        _check_turn(body, kind)
         session = self._sessions.setdefault(session_id, _Session())
         async with session.lock:
             forwarded = _asking_ids(body, kind)
@@ -182,7 +182,8 @@ class SessionProxy:
             return None
 
 
-def _check_turn(body: Any) -> None:
+def _check_turn(body: Any, kind: str) -> None:
+    """What a session cannot record as one turn is a 400, before it is sent."""
     if not isinstance(body, dict):
         raise ProxyError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     n = body.get("n")
@@ -197,6 +198,15 @@ def _check_turn(body: Any) -> None:
         raise ProxyError(
             400, "stream=true is not recorded in a session; send stream=false", "stream"
         )
+    prompt = body.get("prompt")
+    if kind == "completion" and isinstance(prompt, list) and prompt:
+        if not all(isinstance(t, int) for t in prompt):  # a batch of prompts
+            raise ProxyError(
+                400,
+                f"a session's completion takes one prompt (text or token ids), got a batch "
+                f"of {len(prompt)}",
+                "prompt",
+            )
 
 
 def _asking_ids(body: dict[str, Any], kind: str) -> dict[str, Any]:

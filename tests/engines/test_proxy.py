@@ -258,6 +258,17 @@ def test_requests_a_session_cannot_record_are_a_400(extra, param):
     assert not setup.apps["e0"].state.requests
 
 
+def test_a_batch_of_prompts_in_a_session_is_a_400():
+    setup = Setup()
+
+    async def go():
+        await setup.client("s").completions.create(model="fake", prompt=["a", "b"])
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        run(go())
+    assert caught.value.body["param"] == "prompt" and "batch of 2" in caught.value.body["message"]
+
+
 def test_a_wrong_token_is_a_401_and_sessionless_requests_are_forwarded():
     setup = Setup()
     with pytest.raises(openai.AuthenticationError):

@@ -253,6 +253,29 @@ def test_a_tool_session_trains_on_the_exact_ids_or_splits(
     assert router.stats().open_sessions == 0
 
 
+def test_a_token_in_token_out_session_is_one_exact_sample(template_routers, models):
+    router, key = template_routers["tiny"]
+    base = router.session_url("tokens")
+
+    async def go() -> list[int]:
+        ids = [67, 68, 69]
+        async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as client:
+            for k in range(3):
+                reply = await client.completions.create(
+                    model=models["tiny"], prompt=ids, max_tokens=4, extra_body={"ignore_eos": True}
+                )
+                ids = ids + reply.choices[0].model_extra["token_ids"] + [1, 2 + k]
+        return ids[:-2]  # the last environment ids were never sent
+
+    stream = asyncio.run(go())
+    [sample] = ray.get(router.actor.take_trajectory.remote("tokens"), timeout=30)
+    assert sample.prompt_token_ids == [67, 68, 69]
+    assert sample.prompt_token_ids + sample.response_token_ids == stream
+    assert sample.loss_mask == [1] * 4 + [0, 0] + [1] * 4 + [0, 0] + [1] * 4
+    assert [t.role for t in sample.turns] == ["assistant", "environment"] * 2 + ["assistant"]
+    assert all(lp < 0 for lp, m in zip(sample.logprobs, sample.loss_mask, strict=True) if m)
+
+
 @pytest.fixture
 def pair(ray_local, models):
     engines, key = engine_set(models["qwen2.5"], "rt-pair", num_engines=2)
