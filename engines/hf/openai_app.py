@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 
 from engines.hf import openai_protocol as p
 from engines.hf.openai_errors import OpenAIError, install_error_handlers
+from engines.hf.openai_stream import chat_chunks, completion_chunks, sse
 from engines.hf.tool_parsers import TOOL_PARSERS, ParsedAnswer, ParsedCall
 from engines.outputs import CompletionOutput, LogprobsPosition, RequestOutput
 from engines.sampling import SamplingParams
@@ -37,11 +38,13 @@ def build_app(engine: HFEngine) -> FastAPI:
         return p.ModelList(data=[card])
 
     @app.post("/v1/chat/completions")
-    async def chat(body: p.ChatCompletionRequest, request: Request) -> p.ChatCompletionResponse:
+    async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
+        """A ChatCompletionResponse, or its stream (`engines.hf.openai_stream`)."""
         return await routes.chat(body, request.scope)
 
     @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request) -> p.CompletionResponse:
+    async def completions(body: p.CompletionRequest, request: Request) -> Any:
+        """A CompletionResponse, or its stream."""
         return await routes.completions(body, request.scope)
 
     @app.post("/tokenize")
@@ -99,12 +102,6 @@ class Routes:
             )
 
     def params(self, body: p.SamplingFields, max_tokens: int | None, logprobs: int | None):
-        if body.stream:
-            raise OpenAIError(
-                "stream=true is not supported by the CPU backend's endpoint; send stream=false",
-                400,
-                "stream",
-            )
         fields = {
             "n": body.n,
             "temperature": body.temperature,
@@ -146,7 +143,7 @@ class Routes:
         return self.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
 
     # --- routes -------------------------------------------------------------------
-    async def chat(self, body: p.ChatCompletionRequest, scope) -> p.ChatCompletionResponse:
+    async def chat(self, body: p.ChatCompletionRequest, scope) -> Any:
         self.check_model(body.model)
         choice, parser = self.tool_choice(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -155,17 +152,18 @@ class Routes:
         self.check_length(prompt, "messages")
         output = (await self.generate([prompt], params, scope))[0]
         choices = [
-            self.chat_choice(completion, choice, parser, top, body.return_token_ids)
+            chat_choice(completion, choice, parser, top, body.return_token_ids)
             for completion in output.outputs
         ]
-        return p.ChatCompletionResponse(
+        answer = p.ChatCompletionResponse(
             model=self.served,
             choices=choices,
             usage=usage([output]),
             prompt_token_ids=prompt if body.return_token_ids else None,
         )
+        return sse(chat_chunks(answer, include_usage(body))) if body.stream else answer
 
-    async def completions(self, body: p.CompletionRequest, scope) -> p.CompletionResponse:
+    async def completions(self, body: p.CompletionRequest, scope) -> Any:
         self.check_model(body.model)
         for name in ("echo", "suffix"):
             if getattr(body, name):
@@ -187,7 +185,8 @@ class Routes:
                         **token_fields(completion, output, body.return_token_ids),
                     )
                 )
-        return p.CompletionResponse(model=self.served, choices=choices, usage=usage(outputs))
+        answer = p.CompletionResponse(model=self.served, choices=choices, usage=usage(outputs))
+        return sse(completion_chunks(answer, include_usage(body))) if body.stream else answer
 
     def prompts(self, body: p.CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
@@ -239,35 +238,41 @@ class Routes:
             )
         return choice, TOOL_PARSERS.get(name) if name else None
 
-    def chat_choice(self, completion: CompletionOutput, choice, parser, top, return_ids):
-        text, finish = completion.text, completion.finish_reason
-        if isinstance(choice, p.ChatCompletionNamedToolChoiceParam):
-            # As vLLM: the answer is the named function's arguments.
-            answer = ParsedAnswer(None, [ParsedCall(choice.function.name, text)])
-        elif choice == "required":
-            answer = required_calls(text, parser)
-        elif choice == "auto" and parser is not None:
-            answer = parser(text)
-        else:
-            answer = ParsedAnswer(text)
-        if answer.calls and choice == "auto":
-            finish = "tool_calls"
-        message = p.ChatMessage(
-            role="assistant",
-            content=answer.content,
-            tool_calls=[
-                p.ToolCall(function=p.FunctionCall(name=c.name, arguments=c.arguments))
-                for c in answer.calls
-            ],
-        )
-        return p.ChatCompletionResponseChoice(
-            index=completion.index,
-            message=message,
-            logprobs=chat_logprobs(completion, top),
-            finish_reason=finish,
-            stop_reason=completion.stop_reason,
-            **token_fields(completion, None, return_ids),
-        )
+
+def chat_choice(completion: CompletionOutput, choice, parser, top, return_ids):
+    """One chat choice: the answer's tool calls parsed as `choice` asks."""
+    text, finish = completion.text, completion.finish_reason
+    if isinstance(choice, p.ChatCompletionNamedToolChoiceParam):
+        # As vLLM: the answer is the named function's arguments.
+        answer = ParsedAnswer(None, [ParsedCall(choice.function.name, text)])
+    elif choice == "required":
+        answer = required_calls(text, parser)
+    elif choice == "auto" and parser is not None:
+        answer = parser(text)
+    else:
+        answer = ParsedAnswer(text)
+    if answer.calls and choice in ("auto", "required"):  # as vLLM; a named choice: "stop"
+        finish = "tool_calls"
+    message = p.ChatMessage(
+        role="assistant",
+        content=answer.content,
+        tool_calls=[
+            p.ToolCall(function=p.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in answer.calls
+        ],
+    )
+    return p.ChatCompletionResponseChoice(
+        index=completion.index,
+        message=message,
+        logprobs=chat_logprobs(completion, top),
+        finish_reason=finish,
+        stop_reason=completion.stop_reason,
+        **token_fields(completion, None, return_ids),
+    )
+
+
+def include_usage(body: p.SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def required_calls(text: str, parser) -> ParsedAnswer:
@@ -289,6 +294,17 @@ def chat_message(message: p.ChatMessageParam) -> dict[str, Any]:
     data = message.model_dump(exclude_none=True)
     if isinstance(message.content, list):
         data["content"] = "".join(part.text for part in message.content)
+    for call in data.get("tool_calls", []):
+        # As vLLM (entrypoints/chat_utils.py): templates render arguments as
+        # an object (`| tojson`), so the JSON text goes back to one.
+        function = call.get("function", {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError as exc:
+                raise OpenAIError(
+                    f"a tool call's arguments are not JSON: {exc}", 400, "messages"
+                ) from exc
     return data
 
 

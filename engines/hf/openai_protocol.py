@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 def random_id() -> str:
@@ -22,6 +22,10 @@ class OpenAIBaseModel(BaseModel):
 
 
 # --- requests ---------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
 class SamplingFields(OpenAIBaseModel):
     """What both generating routes share: the model and vLLM's sampling fields."""
 
@@ -43,6 +47,7 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     max_tokens: int | None = None
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
 
 
@@ -170,6 +175,13 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):  # as vLLM: left out when none
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
