@@ -40,6 +40,18 @@ class RouterActor:
         self._proxy: SessionProxy | None = None
         self._server = OpenAIServer("router")
         self._client: httpx.AsyncClient | None = None
+        self._handles: dict[str, Any] = {}
+
+    async def _endpoint(self, handle: Any, timeout_s: float) -> tuple[str, str]:
+        """(the engine's name, its endpoint's base URL without /v1)."""
+        name = await asyncio.wait_for(handle.ready.remote(), timeout_s)
+        url = await asyncio.wait_for(handle.openai_url.remote(), timeout_s)
+        if url is None:
+            raise EngineSpecError(
+                f"engine {name} serves no OpenAI endpoint: create the engines with openai_api=True"
+            )
+        self._handles[name] = handle
+        return name, url.removesuffix("/v1")
 
     async def start(
         self,
@@ -50,16 +62,7 @@ class RouterActor:
         start_timeout_s: float,
     ) -> str:
         """Find every engine's endpoint, then serve; returns the router's URL."""
-        urls, handles = {}, {}
-        for handle in engines:
-            name = await asyncio.wait_for(handle.ready.remote(), start_timeout_s)
-            url = await asyncio.wait_for(handle.openai_url.remote(), start_timeout_s)
-            if url is None:
-                raise EngineSpecError(
-                    f"engine {name} serves no OpenAI endpoint: create the engines with "
-                    f"openai_api=True"
-                )
-            urls[name], handles[name] = url.removesuffix("/v1"), handle
+        urls = dict([await self._endpoint(handle, start_timeout_s) for handle in engines])
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=min(10.0, request_timeout_s)),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
@@ -67,7 +70,7 @@ class RouterActor:
 
         async def alive(name: str) -> bool:
             try:
-                await asyncio.wait_for(handles[name].health.remote(), ALIVE_TIMEOUT_S)
+                await asyncio.wait_for(self._handles[name].health.remote(), ALIVE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - dead, failed or hung: not serving
                 return False
             return True
@@ -76,6 +79,14 @@ class RouterActor:
         proxy = self._proxy
         url = await self._server.start(build_app(proxy), api_key, lambda: proxy.latest_version)
         return url.removesuffix("/v1")
+
+    async def add_engine(self, handle: Any, timeout_s: float = 120.0) -> str:
+        """Route to one more engine, or to an engine again after its restart or
+        replacement under the same name (a dead engine gets nothing until then);
+        returns its name."""
+        name, url = await self._endpoint(handle, timeout_s)
+        self._proxy.placement.add(name, url)
+        return name
 
     async def take_trajectory(self, session_id: str) -> list[TrajectorySample]:
         """The session's samples, in order; the session is forgotten."""

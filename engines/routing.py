@@ -9,7 +9,6 @@ the next live engine in turn, sessions or not (the benchmark's baseline).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,7 +73,7 @@ class Placement:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         self.routing = routing
         self._loads = {name: _Load(name, url) for name, url in engines.items()}
-        self._turn = itertools.cycle(list(engines))
+        self._next = 0  # round robin's next position in the engines' order
         #: session id -> the engine holding it
         self.sessions: dict[str, str] = {}
 
@@ -91,13 +90,26 @@ class Placement:
         if self.routing == "sticky" and held in live:
             return held
         if self.routing == "round_robin":
-            chosen = next(name for name in self._turn if name in live)
+            chosen = self._next_in_turn(live)
         else:
             held_counts = self._held_counts()
             chosen = min(live, key=lambda n: (self._loads[n].in_flight, held_counts[n]))
         if session is not None:
             self.sessions[session] = chosen
         return chosen
+
+    def _next_in_turn(self, live: list[str]) -> str:
+        names = list(self._loads)
+        while True:
+            name = names[self._next % len(names)]
+            self._next += 1
+            if name in live:
+                return name
+
+    def add(self, engine: str, url: str) -> None:
+        """A new engine, or one back (restarted, replaced under its name) at `url`."""
+        load = self._loads.setdefault(engine, _Load(engine, url))
+        load.url, load.alive = url, True
 
     def begin(self, engine: str) -> None:
         load = self._loads[engine]

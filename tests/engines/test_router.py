@@ -109,9 +109,14 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {name: build_printable_model(root / name, text) for name, text in texts.items()}
 
 
-def engine_set(model: str, prefix: str, num_engines: int = 1):
+def engine_set(model: str, prefix: str, num_engines: int = 1, key: str | None = None):
     spec = EngineSetSpec(
-        pretrain=model, num_engines=num_engines, max_len=4096, name_prefix=prefix, openai_api=True
+        pretrain=model,
+        num_engines=num_engines,
+        max_len=4096,
+        name_prefix=prefix,
+        openai_api=True,
+        openai_api_key=key,
     )
     return start_engine_set(spec), spec.api_key
 
@@ -278,15 +283,18 @@ def test_a_token_in_token_out_session_is_one_exact_sample(template_routers, mode
 
 @pytest.fixture
 def pair(ray_local, models):
+    """Two engines behind a router, and a third with the same token, not yet routed to."""
     engines, key = engine_set(models["qwen2.5"], "rt-pair", num_engines=2)
+    replacement, _ = engine_set(models["qwen2.5"], "rt-replacement", key=key)
     router = None
     try:
         router = start_router(list(engines), key, start_timeout_s=READY_S)
-        yield engines, key, router
+        yield engines, key, router, replacement
     finally:
         if router is not None:
             router.close()
         destroy_engines(engines)
+        destroy_engines(replacement)
 
 
 def killed(engine) -> None:
@@ -303,7 +311,7 @@ def killed(engine) -> None:
 
 
 def test_sticky_least_loaded_then_an_engine_killed_mid_session(pair, models):
-    engines, key, router = pair
+    engines, key, router, replacement = pair
     e0, e1 = engines.names
     agents = {s: ToolAgent(router, key, s, models["qwen2.5"]) for s in "abc"}
 
@@ -340,8 +348,12 @@ def test_sticky_least_loaded_then_an_engine_killed_mid_session(pair, models):
     # (ConnectError, or ReadError on a pooled connection the dying engine dropped)
     assert "session 'b'" in message and f"failed: {e1} (" in message
     assert "no live engine left" in message
-    # the failed turn is not recorded; the session's first two turns are
+    # the failed turn is not recorded; a replacement engine added to the router
+    # takes b's next turn, which continues b's token history
+    added = ray.get(router.actor.add_engine.remote(replacement[0]), timeout=READY_S)
+    asyncio.run(turns("b"))
     [sample] = ray.get(router.actor.take_trajectory.remote("b"), timeout=30)
+    assert [t.engine for t in sample.turns if t.role == "assistant"] == [e1, e1, added]
     check_exact([sample], agents["b"].seen)
     ray.get(router.actor.take_trajectory.remote("c"), timeout=30)
     assert router.stats().open_sessions == 0

@@ -50,3 +50,13 @@ def test_round_robin_skips_down_engines_and_ignores_sessions():
 def test_an_unknown_routing_is_refused():
     with pytest.raises(ValueError, match="routing must be one of"):
         Placement(ENGINES, "hash")
+
+
+def test_an_engine_added_or_back_takes_requests():
+    placement = Placement({"e0": "http://a"}, "round_robin")
+    placement.connection_lost("e0", down=True)
+    placement.add("e0", "http://a2")  # restarted, a new port
+    placement.add("e1", "http://b")
+    assert [placement.pick(None) for _ in range(3)] == ["e0", "e1", "e0"]
+    assert placement.url("e0") == "http://a2"
+    assert [e.alive for e in placement.stats().engines] == [True, True]
