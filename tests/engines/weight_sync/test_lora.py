@@ -10,6 +10,7 @@ import copy
 import pytest
 import ray
 import torch
+from waiting import wait_until
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
@@ -246,3 +247,31 @@ def test_an_engine_without_lora_refuses_an_adapter(tiny_model, ray_local):
         assert get(engine.weight_status.remote(), 30).stale is False
     finally:
         destroy_engines([engine])
+
+
+def test_a_request_finishes_on_the_adapter_it_was_admitted_under(tiny_model, engines, tmp_path):
+    """A sync under a running request (in_flight): the request keeps its
+    version's adapter to its end; the next request gets the new one."""
+    policy = synced_policy(tiny_model, engines, tmp_path, "broadcast")
+    admitted = perturb_adapter(policy, seed=11)
+    policy.sync_weights()
+    merged = copy.deepcopy(policy.model).merge_and_unload().eval()
+    engine, prompt, tokens = engines[0], SEQUENCES[0], 90
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    running = engine.generate.remote(prompt, params)
+    unfinished = engine.get_num_unfinished_requests
+    wait_until(
+        lambda: get(engine.get_num_unfinished_requests.remote(), 30), 30, "the request to run"
+    )
+    # Frozen where it is, as a sync's begin freezes it: the sync lands mid-request.
+    get(engine.pause_generation.remote("keep"), 30)
+    assert get(unfinished.remote(), 30) == 1, "it ended before the sync"
+    perturb_adapter(policy, seed=12)
+    policy.sync_weights()
+    get(engine.resume_generation.remote(), 30)
+    out = get(running, 120)
+    assert out.weight_versions == [admitted]
+    assert out.outputs[0].token_ids == greedy(merged, prompt, tokens)
+    after = get(engine.generate.remote(prompt, SamplingParams(max_tokens=4, temperature=0.0)), 60)
+    assert after.weight_versions == [policy.weight_version]
+    policy.close()
