@@ -72,14 +72,14 @@ class EngineSettings(Checked):
     tensor_parallel_size: Annotated[int, at_least(1)] = 1
     enable_prefix_caching: bool = False
     full_determinism: bool = Field(False, description="OpenRLHF's flag (vLLM backend).")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Backend engine arguments (vLLM's EngineArgs names)."
+    )
     enable_lora: bool = Field(
         False, description="Serve LoRA adapters synced by the trainer on the base model."
     )
     max_lora_rank: Annotated[int, at_least(1)] = Field(
         16, description="The largest adapter rank a sync may bring (vLLM sizes its buffers by it)."
-    )
-    engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Backend engine arguments (vLLM's EngineArgs names)."
     )
 
     def settings(self) -> dict[str, Any]:

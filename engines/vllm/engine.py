@@ -71,6 +71,8 @@ def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
     """vLLM's AsyncEngineArgs for this engine: its config, then the caller's
     engine arguments."""
     kwargs = dict(config.engine_kwargs)
+    if config.enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank)
     # One GPU: the worker lives in the engine-core process ("uni"). More:
     # vLLM's Ray executor places one worker actor per bundle (the bundles
     # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).
@@ -82,8 +84,6 @@ def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
     kwargs.setdefault("disable_log_stats", True)
     if config.gpu_memory_utilization is not None:  # None: vLLM's default
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    if config.enable_lora:
-        kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank)
     return api.vllm.AsyncEngineArgs(
         model=config.pretrain,
         max_model_len=config.max_len,

@@ -105,3 +105,16 @@ def test_engine_args_are_the_configs_then_the_callers():
     assert one_gpu.distributed_executor_backend == "uni"
     quiet = engine_args(api, config.model_copy(update={"engine_kwargs": {}}))
     assert quiet.disable_log_stats is True
+
+
+def test_a_lora_engine_asks_vllm_for_lora_of_its_rank():
+    api = SimpleNamespace(vllm=SimpleNamespace(AsyncEngineArgs=lambda **kw: SimpleNamespace(**kw)))
+    config = EngineConfig(
+        name="e-0", pretrain="m", max_len=64, seed=3, rpc_timeout_s=5, engine_kwargs={}
+    )
+    assert not hasattr(engine_args(api, config), "enable_lora")  # vLLM's default: off
+    lora = config.model_copy(
+        update={"enable_lora": True, "max_lora_rank": 32, "engine_kwargs": {"max_loras": 2}}
+    )
+    args = engine_args(api, lora)
+    assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, 32, 2)
