@@ -16,13 +16,18 @@ itself, as safetensors bytes: an adapter is megabytes, and the broadcast's
 group is not worth it). No file round-trip on `cuda_ipc` and `inline`: the
 engines build the adapter from the tensors they received.
 
-Trainer: `LoraSender`. Engine actor: `receive_lora_adapter`,
-`release_lora_buffer`. Worker: the same names.
+A trainer written to vLLM's native API may send an adapter's tensors too
+(`vllm_native.update_weights` hands them to `load_adapter` / `worker_load`).
+
+The adapter's shape and files: `adapter.py`. Trainer: `LoraSender`. Engine
+actor: `receive_lora_adapter`, `release_lora_buffer`, `lora_adapters`.
+Worker: the same names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from collections import Counter
@@ -36,6 +41,7 @@ from engines.weight_sync.adapter import (
     LoraSpec,
     LoraSync,
     save_adapter,
+    tensor_module,
 )
 from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, as_engine_list, trainer_weights
@@ -205,11 +211,8 @@ def adapter_versions(sync: WeightSync) -> AdapterVersions:
     return sync.held.setdefault("lora", AdapterVersions())
 
 
-async def receive_lora_adapter(
-    sync: WeightSync, version: int, spec: dict, via: str, payload: Any, keep: int
-) -> Received:
-    """Load the adapter of `version` (the sync's); remove the adapters of
-    versions older than the last `keep` that no request runs on."""
+def checked_spec(sync: WeightSync, spec: dict) -> LoraSpec:
+    """`spec` as this engine takes it: LoRA enabled, a rank within its max."""
     config = sync.host.config
     if not getattr(config, "enable_lora", False):
         raise WeightSyncError(f"engine {sync.name} was started without enable_lora=True")
@@ -222,16 +225,53 @@ async def receive_lora_adapter(
             f"engine {sync.name}: adapter rank {checked.rank} is above its "
             f"max_lora_rank={config.max_lora_rank}"
         )
+    return checked
+
+
+async def load_adapter(sync: WeightSync, keep: int, method: str, *args: Any) -> Received:
+    """Run the worker receive `method(*args, version, remove)` of the open
+    sync's adapter; `remove`: the versions older than the last `keep` that no
+    request runs on."""
+    session = sync.session()
+    versions = adapter_versions(sync)
+    remove = versions.to_remove(session.version, int(keep))
+    received = await sync.receive(method, *args, session.version, remove, session=session)
+    versions.loaded = sorted((set(versions.loaded) - set(remove)) | {session.version})
+    return received
+
+
+async def receive_lora_adapter(
+    sync: WeightSync, version: int, spec: dict, via: str, payload: Any, keep: int
+) -> Received:
+    """Load the adapter of `version` (the sync's), `via` one of `VIAS`."""
+    checked = checked_spec(sync, spec)
     if via not in VIAS:
         raise WeightSyncError(f"via must be one of {VIAS}, got {via!r}")
-    session = sync.session(version)
-    versions = adapter_versions(sync)
-    remove = versions.to_remove(version, int(keep))
-    received = await sync.receive(
-        "receive_lora_adapter", version, checked.plain(), via, payload, remove, session=session
-    )
-    versions.loaded = sorted((set(versions.loaded) - set(remove)) | {version})
-    return received
+    sync.session(version)
+    return await load_adapter(sync, keep, "receive_lora_adapter", checked.plain(), via, payload)
+
+
+# vLLM's native API (`vllm_native.update_weights`) carrying an adapter.
+def is_adapter(names: list[str]) -> bool:
+    return bool(names) and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+def native_spec(sync: WeightSync, names: list[str], shapes: list[list[int]]) -> LoraSpec:
+    """vLLM's API carries named tensors only: the rank is lora_A's rows, the
+    targets are the names' modules, and the scaling is 1 (alpha = rank: the
+    trainer sends lora_B scaled by its alpha / rank)."""
+    ranks = {int(s[0]) for n, s in zip(names, shapes, strict=True) if ".lora_A." in n}
+    if len(ranks) != 1:
+        raise WeightSyncError(f"engine {sync.name}: an adapter has one rank, got {sorted(ranks)}")
+    rank = ranks.pop()
+    targets = sorted({tensor_module(n) for n in names})
+    return checked_spec(sync, {"rank": rank, "alpha": rank, "target_modules": targets})
+
+
+def native_keep(sync: WeightSync) -> int:
+    """Over vLLM's API no trainer says how many versions to keep: as many as
+    the engine's `max_loras` (an engine argument; default 1)."""
+    return int(sync.host.config.engine_kwargs.get("max_loras", 1))
 
 
 async def lora_adapters(sync: WeightSync) -> list[str]:
@@ -280,7 +320,7 @@ def received_tensors(worker: WorkerWeights, via: str, payload: Any) -> dict[str,
         )
     # A copy: the trainer writes its buffer again at the next sync.
     own = held[1].clone()
-    sizes = [_numel(shape) for _, _, shape in opened["params"]]
+    sizes = [math.prod(shape) for _, _, shape in opened["params"]]
     tensors = {}
     for (name, dtype, shape), part in zip(opened["params"], own.split(sizes), strict=True):
         if part.dtype != torch_dtype(dtype):
@@ -289,23 +329,29 @@ def received_tensors(worker: WorkerWeights, via: str, payload: Any) -> dict[str,
     return tensors
 
 
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
 def worker_receive_lora(
-    worker: WorkerWeights, version: int, spec: dict, via: str, payload: Any, remove: list[int]
+    worker: WorkerWeights, spec: dict, via: str, payload: Any, version: int, remove: list[int]
 ) -> dict:
-    """Build the adapter of `version` from the received tensors and register
-    it; remove the versions in `remove`. A bad adapter (a target module the
-    model has not, too many adapters) changes nothing and is answered as problems."""
+    """Receive the adapter of `version` `via` one of `VIAS`, then `worker_load`."""
     started = time.monotonic()
-    store = adapter_store(worker)
     tensors = received_tensors(worker, via, payload)
+    return worker_load(worker, spec, tensors, version, remove, time.monotonic() - started)
+
+
+def worker_load(
+    worker: WorkerWeights,
+    spec: dict,
+    tensors: dict[str, Any],
+    version: int,
+    remove: list[int],
+    open_s: float = 0.0,
+) -> dict:
+    """Build the adapter of `version` from `tensors` (owned by this worker)
+    and register it; remove the versions in `remove`. A bad adapter (a target
+    module the model has not, too many adapters) changes nothing and is
+    answered as problems."""
     opened = time.monotonic()
+    store = adapter_store(worker)
     checked = LoraSpec.of(spec)
     problems = store.problems(checked, list(tensors), version, remove)
     if problems:
@@ -318,7 +364,7 @@ def worker_receive_lora(
     return WorkerAnswer(
         bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         holds_sync_state=False,
-        times={"open_s": opened - started, "load_s": time.monotonic() - opened},
+        times={"open_s": open_s, "load_s": time.monotonic() - opened},
     ).plain()
 
 

@@ -80,6 +80,25 @@ class LoraPolicy(BF16Policy):
         self.weight_version += 1
         return self.weight_version
 
+    def sync_adapter_with_vllm_api(self, engines: list[Any]) -> float:
+        """Sync the adapter as a trainer written to vLLM 0.26's docs does (its
+        client and IPC trainer code); its API carries tensors only, so lora_B
+        goes scaled by alpha / rank (the engine takes scaling 1). Seconds."""
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+        started = time.monotonic()
+        scale = self.lora.spec.alpha / self.lora.spec.rank
+        weights = [(n, t * scale if ".lora_B." in n else t) for n, t in self.named_weights()]
+        client = RayVLLMWeightSyncClient(list(engines))
+        client.init_weight_transfer_engine({})
+        client.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(
+            iter(weights), {"send_mode": "ray", "llm_handle": list(engines), "packed": False}
+        )
+        client.finish_weight_update()
+        return time.monotonic() - started
+
 
 def start_lora_policy(pretrain: str, **options: Any):
     import ray
@@ -164,14 +183,15 @@ def distance(ours: list[list[float]], theirs: list[list[float]]) -> tuple[float,
 class AdapterSync:
     """One adapter-only sync: parity after it (max, mean |engine - trainer|),
     the mean distance a missed sync would show (the trainer before against
-    after the change), the trainer's seconds for the sync (`SyncReport`), the
-    report itself and the version the engine serves after it."""
+    after the change), the trainer's seconds for the sync (`SyncReport`;
+    over vLLM's API, its client's calls), the report (None over vLLM's API)
+    and the version the engine serves after it."""
 
     max_abs: float
     mean_abs: float
     stale_mean_abs: float
     seconds: float
-    report: Any = field(repr=False)
+    report: Any = field(repr=False)  # SyncReport | None
     served: int
 
 
@@ -179,8 +199,10 @@ def adapter_syncs(engines, policy, transport: str, syncs: int, perturb: float, d
     """`syncs` syncs over `transport`, each of an adapter changed by `perturb`."""
     import ray
 
-    options = {"checkpoint_dir": directory} if transport == "checkpoint" else {}
-    ray.get(policy.init_weight_sync.remote(engines, transport=transport, **options), TIMEOUT_S)
+    if transport != "vllm_native":
+        options = {"checkpoint_dir": directory} if transport == "checkpoint" else {}
+        init = policy.init_weight_sync.remote(engines, transport=transport, **options)
+        ray.get(init, timeout=TIMEOUT_S)
     engine = engines[0]
     before = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
     done = []
@@ -189,12 +211,18 @@ def adapter_syncs(engines, policy, transport: str, syncs: int, perturb: float, d
         ray.get(policy.perturb.remote(perturb, seed=version), timeout=TIMEOUT_S)
         policy_version = ray.get(policy.health.remote(), timeout=TIMEOUT_S)["weight_version"]
         after = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
-        report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
+        if transport == "vllm_native":
+            report = None
+            sync = policy.sync_adapter_with_vllm_api.remote(engines)
+            seconds = ray.get(sync, timeout=TIMEOUT_S)
+        else:
+            report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
+            seconds = report.seconds
         worst, mean = distance(engine_logprobs(engine), after)
         _, stale = distance(before, after)
         served = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["weight_version"]
-        assert served == policy_version == report.version, (served, policy_version, report)
-        done.append(AdapterSync(worst, mean, stale, report.seconds, report, served))
+        assert served == policy_version == version, (served, policy_version, version)
+        done.append(AdapterSync(worst, mean, stale, seconds, report, served))
         before = after
     return done
 
@@ -207,11 +235,6 @@ def matrix_row(transports, syncs: int, perturb: float, directory: str | Path) ->
     started = time.monotonic()
     with lora_engine_and_policy(model, baseline) as (engines, policy):
         for transport in transports:
-            if transport == "vllm_native":
-                # vLLM's weight-transfer API moves named tensors only: no
-                # adapter rank, alpha or targets; not an adapter path (report).
-                results[transport] = []
-                continue
             where = str(Path(directory) / transport)
             results[transport] = adapter_syncs(engines, policy, transport, syncs, perturb, where)
     print(f"LoRA row: {time.monotonic() - started:.0f}s")
