@@ -83,7 +83,8 @@ class VllmAdapters:
         if after > self.adapters.capacity:
             problems.append(
                 f"{after} adapters would be loaded, above max_cpu_loras={self.adapters.capacity}: "
-                "raise max_loras (or max_cpu_loras) in the engine arguments to max_staleness + 1"
+                "raise max_loras in the engine arguments to max_staleness + 1 (max_cpu_loras "
+                "defaults to max_loras + 1)"
             )
         return problems
 

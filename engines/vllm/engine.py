@@ -73,6 +73,8 @@ def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
     kwargs = dict(config.engine_kwargs)
     if config.enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank)
+        # Room for the adapter served while the next one loads (lora.py).
+        kwargs.setdefault("max_cpu_loras", kwargs.get("max_loras", 1) + 1)
     # One GPU: the worker lives in the engine-core process ("uni"). More:
     # vLLM's Ray executor places one worker actor per bundle (the bundles
     # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).

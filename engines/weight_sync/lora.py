@@ -201,9 +201,11 @@ class AdapterVersions:
         finally:
             self.running[adapter] -= 1
 
-    def to_remove(self, version: int, keep: int) -> list[int]:
-        """Versions outside the last `keep` once `version` is loaded, and idle."""
-        window = sorted({*self.loaded, version})[-keep:]
+    def to_remove(self, version: int, keep: int, served: int) -> list[int]:
+        """Versions outside the last `keep` once `version` is loaded, and
+        idle. The version `served` stays until this sync commits: if it
+        fails, the engine serves it on."""
+        window = {*sorted({*self.loaded, version})[-keep:], served}
         return [v for v in self.loaded if v not in window and not self.running[v]]
 
 
@@ -234,7 +236,7 @@ async def load_adapter(sync: WeightSync, keep: int, method: str, *args: Any) -> 
     request runs on."""
     session = sync.session()
     versions = adapter_versions(sync)
-    remove = versions.to_remove(session.version, int(keep))
+    remove = versions.to_remove(session.version, int(keep), sync.host.weight_version)
     received = await sync.receive(method, *args, session.version, remove, session=session)
     versions.loaded = sorted((set(versions.loaded) - set(remove)) | {session.version})
     return received

@@ -118,3 +118,4 @@ def test_a_lora_engine_asks_vllm_for_lora_of_its_rank():
     )
     args = engine_args(api, lora)
     assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, 32, 2)
+    assert args.max_cpu_loras == 3  # the served adapter stays while the next loads

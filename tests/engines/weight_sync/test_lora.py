@@ -69,13 +69,15 @@ def test_tensors_of_another_rank_are_refused_by_name():
 def test_old_adapters_go_once_outside_the_window_and_idle():
     versions = AdapterVersions()
     versions.loaded = [1, 2, 3]
-    assert versions.to_remove(4, keep=2) == [1, 2]
+    assert versions.to_remove(4, keep=2, served=3) == [1, 2]
+    # The version served stays until the sync commits (a failed one serves it on).
+    assert versions.to_remove(4, keep=1, served=3) == [1, 2]
     with versions.pinned(2) as adapter:
         assert adapter == 2
-        assert versions.to_remove(4, keep=2) == [1]  # a request still runs on 2
+        assert versions.to_remove(4, keep=2, served=3) == [1]  # a request still runs on 2
     with versions.pinned(0) as adapter:
         assert adapter is None  # version 0 has no adapter: the base model
-    assert versions.to_remove(4, keep=3) == [1]
+    assert versions.to_remove(4, keep=3, served=3) == [1]
 
 
 def test_an_adapter_directory_is_peft_s_own(tiny_model, tmp_path):
