@@ -16,6 +16,7 @@ verl patches `_load_adapter` to read tensors from the request instead
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from engines.weight_sync.adapter import (
@@ -51,6 +52,7 @@ class VllmAdapters:
     def adapters(self) -> Any:
         return self.manager._adapter_manager  # LRUCacheLoRAModelManager
 
+    @functools.cached_property
     def expected_modules(self) -> set[str]:
         """The module names an adapter may target (as `_load_adapter` computes them)."""
         adapters = self.adapters
@@ -70,7 +72,7 @@ class VllmAdapters:
             problems.append(
                 f"adapter rank {spec.rank} is above max_lora_rank={config.max_lora_rank}"
             )
-        expected = self.expected_modules()
+        expected = self.expected_modules
         missing = targets_missing(spec, sorted(expected))
         stray = sorted({tensor_module(n) for n in names} - expected)
         if missing or stray:

@@ -109,7 +109,9 @@ class LoraSender:
             return save({n: t.contiguous().cpu() for n, t in weights})
         if self.via == "checkpoint":
             return str(
-                save_adapter(weights, self.lora.spec, Path(self.checkpoint_dir, f"lora-v{version}"))
+                save_adapter(
+                    weights, self.lora.spec, Path(self.checkpoint_dir, f"lora-v{version:06d}")
+                )
             )
         return self._pack(weights)
 
