@@ -99,6 +99,12 @@ class EngineSettings(Checked):
     tool_call_parser: str | None = Field(
         None, description="vLLM's: parses `tool_calls` out of chat answers, e.g. 'hermes'."
     )
+    enable_lora: bool = Field(
+        False, description="Serve LoRA adapters synced by the trainer on the base model."
+    )
+    max_lora_rank: Annotated[int, at_least(1)] = Field(
+        16, description="The largest adapter rank a sync may bring (vLLM sizes its buffers by it)."
+    )
 
     @model_validator(mode="before")
     @classmethod

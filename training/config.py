@@ -38,6 +38,16 @@ class PolicyConfig(BaseModel):
         description="dtype of the weights sent to the engines; None: the checkpoint's "
         "dtype, which engines load by default (training itself stays in float32).",
     )
+    # LoRA: train an adapter on the frozen base; the sync sends the adapter only
+    lora_rank: int | None = Field(
+        None, ge=1, description="Train a LoRA adapter of this rank (None: the full model)."
+    )
+    lora_alpha: float = Field(16.0, gt=0.0)
+    lora_target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        min_length=1,
+        description="Module names (or their suffixes) that get an adapter, as peft's.",
+    )
     # Weight sync
     transport: str = Field(
         "broadcast",

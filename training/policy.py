@@ -10,6 +10,7 @@ import statistics
 import time
 from typing import Any
 
+from engines.weight_sync import LoraSpec, LoraSync
 from training.config import PolicyConfig
 from training.grpo import (
     clipped_loss,
@@ -72,6 +73,12 @@ class ReferencePolicy(Trainer):
         self.model = AutoModelForCausalLM.from_pretrained(
             self.config.pretrain, dtype=torch.float32
         ).to(self.device)
+        self.lora = self._lora()
+        if self.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            # peft starts lora_B at zero: the adapter of version 0 is the base model.
+            self.model = get_peft_model(self.model, LoraConfig(**self._peft_kwargs()))
         # No dropout in the models we train; eval() keeps the forward identical
         # to the engines', while autograd still works.
         self.model.eval()
@@ -80,7 +87,7 @@ class ReferencePolicy(Trainer):
         )
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.learning_rate,
             weight_decay=self.config.weight_decay,
         )
@@ -90,8 +97,34 @@ class ReferencePolicy(Trainer):
     # --- Trainer ------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, Any]]:
         # float32 master weights, sent in the engines' dtype (a bf16 vLLM
-        # engine accepts bf16 only).
+        # engine accepts bf16 only). With LoRA, the adapter's alone (peft's names).
+        if self.lora is not None:
+            from peft import get_peft_model_state_dict
+
+            adapter = get_peft_model_state_dict(self.model)
+            return [(name, t.detach().to(self.sync_dtype)) for name, t in adapter.items()]
         return [(name, p.detach().to(self.sync_dtype)) for name, p in self.model.named_parameters()]
+
+    def _lora(self) -> LoraSync | None:
+        c = self.config
+        if c.lora_rank is None:
+            return None
+        spec = LoraSpec(c.lora_rank, c.lora_alpha, tuple(c.lora_target_modules))
+        # Under in_flight the engines keep max_staleness + 1 adapters, so
+        # requests finish on the adapter they were admitted under.
+        return LoraSync(spec, keep=c.max_staleness + 1)
+
+    def _peft_kwargs(self) -> dict[str, Any]:
+        spec = self.lora.spec
+        return dict(
+            r=spec.rank,
+            lora_alpha=spec.alpha,
+            target_modules=list(spec.target_modules),
+            bias="none",
+        )
+
+    def lora_sync(self) -> LoraSync | None:
+        return self.lora
 
     def init_weight_sync(self, engines: list[Any], **kwargs: Any) -> dict[str, Any]:
         """As `Trainer.init_weight_sync`, with defaults from the config."""

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from engines.weight_sync import SyncConfig, SyncReport
+from engines.weight_sync import LoraSync, SyncConfig, SyncReport
 from engines.weight_sync import checkpoint as ckpt
 from engines.weight_sync.coordinator import as_engine_list
 from engines.weight_sync.protocol import SenderOptions, WeightSender, new_sender
@@ -90,6 +90,7 @@ class Trainer(abc.ABC):
             weights_device=self.device_of_weights,
             backend=backend,
             checkpoint_dir=checkpoint_dir,
+            lora=self.lora_sync(),
         )
         sender = new_sender(transport, options)
         self.close()
@@ -104,6 +105,12 @@ class Trainer(abc.ABC):
         self._sender = sender
         sender.init(self._engines)
         return {"transport": transport, "engines": len(self._engines), **sender.summary()}
+
+    def lora_sync(self) -> LoraSync | None:
+        """A trainer of a LoRA adapter: the adapter's shape and how many
+        versions the engines keep (then `named_weights()` is the adapter's
+        tensors, peft's names, and a sync sends those only)."""
+        return None
 
     def device_of_weights(self) -> Any:
         return self.named_weights()[0][1].device

@@ -7,6 +7,7 @@ per step with the KV cache, each sequence sampled as vLLM samples
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import random
 import threading
@@ -49,6 +50,10 @@ class Request:
     # The weight versions it was generated under (set when its batch starts).
     versions: list[int] = field(default_factory=list)
     prompt_logprobs: list[LogprobsPosition | None] | None = None
+    #: With LoRA: the version it was admitted under, whose adapter it runs
+    #: on to its end (None: the base model's).
+    pinned: int | None = None
+    adapter: int | None = None
 
 
 def sequence_seed(request_seed: int, index: int) -> int:
@@ -99,7 +104,14 @@ class BatchRunner:
         # fresh engine with the same seed replays the same tokens.
         self._rng = random.Random(config.seed)
 
-    def new_request(self, prompt: list[int], params: SamplingParams, loop) -> Request:
+    def new_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        loop,
+        pinned: tuple[int, int | None] | None = None,
+    ) -> Request:
+        """`pinned` (LoRA): the version it was admitted under and its adapter."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         budget = self.config.max_len - len(prompt)
         if params.max_tokens is not None:  # None: up to max_len, as vLLM
@@ -113,7 +125,10 @@ class BatchRunner:
             )
             for k in range(params.n)
         ]
-        return Request(uuid.uuid4().hex, prompt, params, sequences, loop, loop.create_future())
+        request = Request(uuid.uuid4().hex, prompt, params, sequences, loop, loop.create_future())
+        if pinned is not None:
+            request.pinned, request.adapter = pinned
+        return request
 
     def aborted(self, request: Request) -> RequestOutput:
         """The output of a request aborted before its batch ran."""
@@ -127,7 +142,7 @@ class BatchRunner:
         rows = [(request, seq) for request in batch for seq in request.sequences]
         version = self._version()
         for request in batch:
-            request.versions = [version]
+            request.versions = [version if request.pinned is None else request.pinned]
         out, mask, next_position = self._prefill(rows)
         self._prompt_logprobs(rows, out.logits)
         active = [True] * len(rows)
@@ -146,7 +161,8 @@ class BatchRunner:
                     if active[i]:
                         seq.finish_reason = "abort"
                 break
-            if self._version() != version:  # a sync ran while frozen
+            # A sync ran while frozen (with LoRA, each request keeps its adapter).
+            if not self.config.enable_lora and self._version() != version:
                 version = self._version()
                 for request in batch:
                     request.versions.append(version)
@@ -158,15 +174,21 @@ class BatchRunner:
                 mask,
                 next_position,
                 out[self._cache_arg],
+                [request.adapter for request, _ in rows],
             )
             next_position = next_position + 1
         return [self._output(request) for request in batch]
 
-    def _forward(self, input_ids, mask, positions, cache=None):
+    def _forward(self, input_ids, mask, positions, cache=None, adapters=None):
+        """`adapters`: per row, the adapter's version (LoRA; None: the base)."""
         device = self.worker.device
         with self._model_lock, torch.inference_mode():
             extra = {} if cache is None else {self._cache_arg: cache}
-            return self.worker.model(
+            store = self.worker.adapters() if self.config.enable_lora else None
+            model = self.worker.model
+            if store is not None:
+                model = functools.partial(store.forward, adapters)
+            return model(
                 input_ids=input_ids.to(device),
                 attention_mask=mask.to(device),
                 position_ids=positions.to(device),
@@ -186,7 +208,9 @@ class BatchRunner:
             input_ids[i, width - len(row) :] = torch.tensor(row)
             mask[i, width - len(row) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        return self._forward(input_ids, mask, positions), mask, positions[:, -1:] + 1
+        adapters = [request.adapter for request, _ in rows]
+        out = self._forward(input_ids, mask, positions, None, adapters)
+        return out, mask, positions[:, -1:] + 1
 
     def _step(self, request: Request, seq: Sequence, logits: torch.Tensor) -> int:
         params = request.params

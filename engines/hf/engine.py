@@ -10,9 +10,11 @@ the next one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,7 @@ from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
 from engines.startup import StartupClock, actor_clock
+from engines.weight_sync.lora import adapter_versions
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +152,23 @@ class HFEngine(RolloutEngine):
             self.check_request(prompts, params)  # a failed sync may have left it stale
             self._loop.raise_if_dead()
             loop = asyncio.get_running_loop()
-            requests = [self._runner.new_request(prompt, params, loop) for prompt in prompts]
-            self._loop.submit(requests)
-            return list(await asyncio.gather(*(r.future for r in requests)))
+            with self._pinned() as pinned:
+                requests = [
+                    self._runner.new_request(prompt, params, loop, pinned) for prompt in prompts
+                ]
+                self._loop.submit(requests)
+                return list(await asyncio.gather(*(r.future for r in requests)))
+
+    @contextlib.contextmanager
+    def _pinned(self) -> Iterator[tuple[int, int | None] | None]:
+        """With LoRA: the version served now and its adapter, which the call's
+        requests run on to their end (held so the adapter is not removed)."""
+        if not self.config.enable_lora:
+            yield None
+            return
+        version = self.weight_version
+        with adapter_versions(self.weights).pinned(version) as adapter:
+            yield version, adapter
 
     async def get_num_unfinished_requests(self) -> int:
         return self._loop.unfinished()

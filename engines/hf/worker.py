@@ -31,6 +31,10 @@ class HFWorker(WeightSyncWorkerExtension):
     def _model(self) -> torch.nn.Module:
         return self.model
 
+    def adapters(self) -> Any:
+        """The LoRA adapters synced into this model (`PeftAdapters`), or None."""
+        return self._weight_worker().adapters
+
 
 def load_model(
     pretrain: str, dtype: str, trust_remote_code: bool, clock: StartupClock

@@ -13,10 +13,12 @@ imports this module without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -35,6 +37,7 @@ from engines.errors import RequestError
 from engines.outputs import RequestOutput
 from engines.startup import StartupClock, actor_clock
 from engines.vllm import forkserver
+from engines.vllm.adapters import lora_request
 from engines.vllm.api import (
     VLLMApi,
     padded_vocab_rows,
@@ -45,6 +48,7 @@ from engines.vllm.api import (
 )
 from engines.vllm.core import CoreCalls
 from engines.vllm.startup_log import OwnLog, vllm_log_phases
+from engines.weight_sync.lora import adapter_versions
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,10 @@ def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
     """vLLM's AsyncEngineArgs for this engine: its config, then the caller's
     engine arguments."""
     kwargs = dict(config.engine_kwargs)
+    if config.enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank)
+        # Room for the adapter served while the next one loads (lora.py).
+        kwargs.setdefault("max_cpu_loras", kwargs.get("max_loras", 1) + 1)
     # One GPU: the worker lives in the engine-core process ("uni"). More:
     # vLLM's Ray executor places one worker actor per bundle (the bundles
     # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).
@@ -168,28 +176,40 @@ class VLLMEngine(RolloutEngine):
         async with self._admission.request() as ticket:
             self.check_request(prompts, params)  # a failed sync may have left it stale
             self._core.raise_if_dead()
-            tasks = [asyncio.ensure_future(self._one(prompt, params)) for prompt in prompts]
-            try:
-                outputs = list(await asyncio.gather(*tasks))
-            except BaseException:
-                # One bad prompt (or a cancelled call) must not leave its siblings
-                # generating for nobody: cancelling a task aborts its vLLM request.
-                for task in tasks:
-                    task.cancel()
-                raise
+            with self._adapter(ticket.versions[0]) as adapter:
+                tasks = [
+                    asyncio.ensure_future(self._one(prompt, params, adapter)) for prompt in prompts
+                ]
+                try:
+                    outputs = list(await asyncio.gather(*tasks))
+                except BaseException:
+                    # One bad prompt (or a cancelled call) must not leave its siblings
+                    # generating for nobody: cancelling a task aborts its vLLM request.
+                    for task in tasks:
+                        task.cancel()
+                    raise
+            # With LoRA a request keeps its adapter (and the base) through syncs.
+            versions = ticket.versions[:1] if self.config.enable_lora else list(ticket.versions)
             for output in outputs:
-                output.weight_version, output.weight_versions = (
-                    ticket.versions[0],
-                    list(ticket.versions),
-                )
+                output.weight_version, output.weight_versions = versions[0], list(versions)
             return outputs
 
-    async def _one(self, prompt: list[int], params: Any) -> RequestOutput:
+    @contextlib.contextmanager
+    def _adapter(self, version: int) -> Iterator[Any]:
+        """The LoRARequest of the adapter served at `version` (None: the base
+        model, or no LoRA), held while the call's requests run."""
+        if not self.config.enable_lora:
+            yield None
+            return
+        with adapter_versions(self.weights).pinned(version) as adapter:
+            yield None if adapter is None else lora_request(adapter)
+
+    async def _one(self, prompt: list[int], params: Any, adapter: Any = None) -> RequestOutput:
         request_id = uuid.uuid4().hex
         final = None
         try:
             async for output in self.engine.generate(
-                {"prompt_token_ids": prompt}, params, request_id
+                {"prompt_token_ids": prompt}, params, request_id, lora_request=adapter
             ):
                 final = output
         except vllm_api().EngineDeadError as exc:

@@ -2,7 +2,8 @@
 (trainer, engine-actor and worker sides together): bucketed collective
 broadcast (`broadcast`), CUDA IPC for colocated engines (`cuda_ipc`),
 safetensors checkpoints (`checkpoint`), OpenRLHF's per-parameter calls
-(`openrlhf`) and vLLM's native weight-transfer API (`vllm_native`); the
+(`openrlhf`), vLLM's native weight-transfer API (`vllm_native`) and
+LoRA adapters alone (`lora`); the
 protocol (`protocol`), the engine actor's session (`session`) and the
 worker's state (`worker`) are shared. Versioned, verified, and bounded in
 time. Design: docs/weight_sync.md.
@@ -10,6 +11,7 @@ time. Design: docs/weight_sync.md.
 Nothing here imports vLLM or CUDA at module level.
 """
 
+from engines.weight_sync.adapter import LoraSpec, LoraSync
 from engines.weight_sync.broadcast import BroadcastSender
 from engines.weight_sync.checkpoint import CheckpointSender, sync_from_checkpoint
 from engines.weight_sync.config import GroupInfo, SyncConfig
@@ -21,6 +23,7 @@ from engines.weight_sync.errors import (
     WeightTransferError,
     WeightVersionError,
 )
+from engines.weight_sync.lora import LoraSender
 from engines.weight_sync.manifest import Manifest, ParamSpec
 from engines.weight_sync.protocol import SyncReport, transport_for
 
@@ -30,6 +33,9 @@ __all__ = [
     "ChecksumMismatchError",
     "CudaIpcSender",
     "GroupInfo",
+    "LoraSender",
+    "LoraSpec",
+    "LoraSync",
     "Manifest",
     "ManifestMismatchError",
     "ParamSpec",

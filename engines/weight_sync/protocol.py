@@ -93,6 +93,9 @@ class SenderOptions:
     weights_device: Callable[[], Any]
     backend: str = "gloo"  # the collective broadcast's: "gloo" | "nccl"
     checkpoint_dir: str | None = None
+    #: A trainer that trains a LoRA adapter (`lora.LoraSync`): the adapter
+    #: alone is sent, over the transport's way of moving it.
+    lora: Any = None
 
 
 class EngineHost(Protocol):
@@ -233,7 +236,7 @@ class Transport:
 
 
 #: Modules under engines.weight_sync, each defining `TRANSPORT`.
-TRANSPORT_MODULES = ("broadcast", "cuda_ipc", "checkpoint", "openrlhf", "vllm_native")
+TRANSPORT_MODULES = ("broadcast", "cuda_ipc", "checkpoint", "openrlhf", "vllm_native", "lora")
 
 
 def transports() -> list[Transport]:
@@ -276,7 +279,12 @@ def transport_for(*, colocated: bool, device: str, checkpoint_dir: str | None = 
 
 
 def new_sender(transport: str, options: SenderOptions) -> WeightSender:
-    """The trainer side of `transport`, from the registry."""
+    """The trainer side of `transport`, from the registry; with `options.lora`,
+    the adapter's sender over that transport's way (`lora.new_sender`)."""
+    if options.lora is not None:
+        from engines.weight_sync import lora
+
+        return lora.new_sender(transport, options)
     senders = {t.name: t.new_sender for t in transports() if t.new_sender is not None}
     if transport not in senders:
         raise ValueError(f"transport must be one of {tuple(senders)}, got {transport!r}")

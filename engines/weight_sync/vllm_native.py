@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.weight_sync import cuda_ipc
+from engines.weight_sync import cuda_ipc, lora
 from engines.weight_sync.config import DEFAULT_GROUP_NAME
 from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.manifest import Manifest, ParamSpec, torch_dtype
@@ -78,6 +78,7 @@ async def update_weights(sync: WeightSync, request: Any) -> None:
     """vLLM's `update_weights(WeightTransferUpdateRequest)`: one chunk of the sync."""
     info = _info(request, "update_info")
     session = sync.session()
+    adapter = None
     try:
         names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
         if not len(names) == len(dtypes) == len(shapes):
@@ -91,8 +92,14 @@ async def update_weights(sync: WeightSync, request: Any) -> None:
                 for n, d, s in zip(names, dtypes, shapes, strict=True)
             )
         )
-        # Before any byte moves: a bad name or shape changes nothing.
-        await sync.check_weight_manifest(manifest.plain, allow_partial=True)
+        if lora.is_adapter(names):  # a LoRA adapter's tensors (lora.py)
+            adapter = lora.native_spec(sync, names, shapes)
+            if sync.held.get("lora_native") is session:
+                raise WeightSyncError("an adapter comes in one update_weights call per sync")
+            sync.held["lora_native"] = session
+        else:
+            # Before any byte moves: a bad name or shape changes nothing.
+            await sync.check_weight_manifest(manifest.plain, allow_partial=True)
     except Exception as exc:
         await sync.abort_weight_sync(f"update_weights refused: {exc}")
         if isinstance(exc, WeightSyncError):
@@ -114,6 +121,10 @@ async def update_weights(sync: WeightSync, request: Any) -> None:
         collectives = len(_packed_chunks(list(manifest.params), size))
     else:
         collectives = len(names)
+    if adapter is not None:
+        keep = lora.native_keep(sync)
+        await lora.load_adapter(sync, keep, "native_update_weights", plain, adapter.plain())
+        return
     await sync.receive(
         "native_update_weights",
         plain,
@@ -142,7 +153,24 @@ def worker_init(worker: WorkerWeights, info: dict, timeout_s: float) -> int:
     )
 
 
-def worker_update_weights(worker: WorkerWeights, info: dict) -> dict:
+def worker_update_weights(
+    worker: WorkerWeights,
+    info: dict,
+    adapter: dict | None = None,
+    version: int | None = None,
+    remove: list[int] | None = None,
+) -> dict:
+    """Receive the tensors `info` announces and load them; with `adapter`
+    (a LoRA adapter's spec), build the adapter of `version` from them instead
+    (`lora.worker_load`)."""
+    received: dict[str, Any] | None = None if adapter is None else {}
+
+    def load(chunk: list[ParamSpec], tensors: list[Any]) -> None:
+        if received is None:
+            _load_chunk(worker, chunk, tensors)
+        else:  # owned copies: IPC tensors are the trainer's memory
+            received.update((s.name, t.clone()) for s, t in zip(chunk, tensors, strict=True))
+
     specs = [
         ParamSpec(name=n, dtype=d, shape=tuple(s))
         for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"], strict=True)
@@ -153,18 +181,20 @@ def worker_update_weights(worker: WorkerWeights, info: dict) -> dict:
         weights = None
         size = int(info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES))
         for chunk in _packed_chunks(specs, size):
-            _load_chunk(worker, chunk, _receive_packed(worker, chunk))
+            load(chunk, _receive_packed(worker, chunk))
     else:
         weights = None
         for spec in specs:
             weight, _ = worker.receive_one(spec)  # names were checked by the engine
-            _load_chunk(worker, [spec], [weight])
+            load([spec], [weight])
     if weights is not None:
-        _load_chunk(worker, specs, weights)
+        load(specs, weights)
         import torch
 
         # The trainer reuses its buffers once we return.
         torch.cuda.synchronize(worker.device)
+    if received is not None:
+        return lora.worker_load(worker, adapter, received, version, remove)
     return WorkerAnswer(bytes=sum(s.nbytes for s in specs)).plain()
 
 

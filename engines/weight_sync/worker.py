@@ -60,6 +60,8 @@ class WorkerWeights:
         # Per transport, what it keeps between its calls (a validated plan,
         # a trainer's mapped tensors); dropped after a failed sync.
         self.held: dict[str, Any] = {}
+        # The LoRA adapters served (`lora.adapter_store`): kept through failed syncs.
+        self.adapters: Any = None
 
     @property
     def device(self) -> Any:

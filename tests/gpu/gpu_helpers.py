@@ -144,3 +144,14 @@ def kill_engine_core(engine) -> list[int]:
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def lora_matrix_row(transports, syncs: int, perturb: float, directory) -> dict[str, list]:
+    """The weight-format matrix's LoRA row (tests/gpu/gpu_lora.py): one vLLM
+    engine with LoRA and its colocated trainer of a rank-16 adapter, and per
+    transport `syncs` adapter-only syncs, each measured (`AdapterSync`:
+    max_abs, mean_abs, stale_mean_abs, seconds); over "vllm_native" the
+    trainer uses vLLM's own client and IPC code. Cleans up (engines, GPU memory)."""
+    from gpu_lora import matrix_row
+
+    return matrix_row(transports, syncs, perturb, directory)

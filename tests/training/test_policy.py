@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from training.config import PolicyConfig
@@ -41,3 +42,41 @@ def test_micro_batches_give_the_step_of_one_batch(tiny_model):
         whole.model.named_parameters(), split.model.named_parameters(), strict=True
     ):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_lora_policy_trains_and_sends_its_adapter_only(tiny_model):
+    config = PolicyConfig(
+        pretrain=tiny_model,
+        learning_rate=0.05,
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_target_modules=("q_proj", "v_proj"),
+        max_staleness=2,
+    )
+    policy = ReferencePolicy(config)
+    lora = policy.lora_sync()
+    assert (lora.spec.rank, lora.spec.alpha, lora.keep) == (4, 8.0, 3)
+    base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" not in n}
+    sent = dict(policy.named_weights())
+    layers = policy.model.config.num_hidden_layers
+    assert len(sent) == layers * 2 * 2  # q and v, lora_A and lora_B
+    assert all(n.startswith("base_model.model.") and ".lora_" in n for n in sent)
+    before = {n: t.clone() for n, t in sent.items()}
+    # Nonzero B first: with peft's zero B, A's gradient is zero.
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    report = policy.train_step(groups())
+    assert report.trained_samples == 8 and report.version == 1
+    after = dict(policy.named_weights())
+    assert all(not torch.equal(after[n], before[n]) for n in sent if ".lora_A." in n)
+    for name, p in policy.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base[name]), f"the frozen base changed: {name}"
+
+
+def test_a_lora_target_that_is_no_module_is_refused_by_name(tiny_model):
+    config = PolicyConfig(pretrain=tiny_model, lora_rank=4, lora_target_modules=("qkv_fused",))
+    with pytest.raises(ValueError, match="qkv_fused"):
+        ReferencePolicy(config)

@@ -121,3 +121,17 @@ def test_quantization_is_fp8_or_none_and_never_an_engine_argument_too():
         EngineSetSpec(
             num_engines=1, pretrain="org/model", max_len=64, engine_kwargs={"quantization": "fp8"}
         )
+
+
+def test_a_lora_engine_asks_vllm_for_lora_of_its_rank():
+    api = SimpleNamespace(vllm=SimpleNamespace(AsyncEngineArgs=lambda **kw: SimpleNamespace(**kw)))
+    config = EngineConfig(
+        name="e-0", pretrain="m", max_len=64, seed=3, rpc_timeout_s=5, engine_kwargs={}
+    )
+    assert not hasattr(engine_args(api, config), "enable_lora")  # vLLM's default: off
+    lora = config.model_copy(
+        update={"enable_lora": True, "max_lora_rank": 32, "engine_kwargs": {"max_loras": 2}}
+    )
+    args = engine_args(api, lora)
+    assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, 32, 2)
+    assert args.max_cpu_loras == 3  # the served adapter stays while the next loads

@@ -199,3 +199,83 @@ def test_a_wrong_shape_is_refused_before_any_byte_moves(engine, trainer):
     assert (health["weight_version"], health["stale"], health["paused"]) == (version, False, False)
     after = get(engine.read_weights.remote(["model.norm.weight"]), TIMEOUT_S)
     assert torch.equal(after["model.norm.weight"], before["model.norm.weight"])
+
+
+# --- a LoRA adapter over vLLM's API (engines/weight_sync/lora.py) ----------------------------
+@pytest.fixture(scope="module")
+def lora_engine(tiny_model, ray_local_module):
+    engines = create_vllm_engines(
+        1,
+        tiny_model,
+        max_len=128,
+        backend="hf",
+        name_prefix="native-lora",
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,  # what the engine keeps when no trainer of ours says
+    )
+    ray.get(engines[0].ready.remote(), timeout=180)
+    yield engines[0]
+    destroy_engines(engines)
+
+
+def joined_group(client: RayClient) -> WeightGroup:
+    """vLLM's `trainer_init`: the trainer opens rank 0 while the engine joins."""
+    info = GroupInfo("127.0.0.1", free_port(), 2, DEFAULT_GROUP_NAME, "gloo", TIMEOUT_S)
+    init = {"master_address": "127.0.0.1", "master_port": info.master_port}
+    joined = threading.Thread(
+        target=client.init_weight_transfer_engine,
+        args=({**init, "rank_offset": 1, "world_size": 2},),
+    )
+    joined.start()
+    group = WeightGroup(info, rank=0)
+    joined.join(TIMEOUT_S)
+    return group
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_adapter_over_vllms_api_serves_the_merged_model(lora_engine, tiny_model, packed):
+    """vLLM's API moves named tensors only: the engine reads the adapter's
+    rank and targets from them and takes scaling 1, so the trainer sends
+    lora_B scaled by alpha / rank."""
+    from peft import LoraConfig, get_peft_model
+
+    engine, client = lora_engine, RayClient(lora_engine)
+    rank, alpha = 4, 16.0
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q_proj", "v_proj"])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    trainer = get_peft_model(base, config, adapter_name="default").eval()
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    sent = [
+        (n.replace(".default.", "."), p.detach() * (alpha / rank if ".lora_B." in n else 1.0))
+        for n, p in trainer.named_parameters()
+        if "lora_" in n
+    ]
+    version = get(engine.health.remote(), TIMEOUT_S)["weight_version"]
+    group = joined_group(client)
+    try:
+        client.start_weight_update()
+        extra = {"packed": True, "packed_buffer_size_bytes": 1024} if packed else {}
+        update = threading.Thread(target=client.update_weights, args=(update_info(sent, **extra),))
+        update.start()
+        if packed:
+            send_packed(group, sent, 1024)
+        else:
+            send_one_by_one(group, sent)
+        update.join(TIMEOUT_S)
+        assert not update.is_alive()
+        client.finish_weight_update()
+    finally:
+        group.destroy()
+    health = get(engine.health.remote(), TIMEOUT_S)
+    assert (health["weight_version"], health["stale"]) == (version + 1, False)
+    assert f"rolloutflow-v{version + 1}" in get(engine.lora_adapters.remote(), TIMEOUT_S)
+    merged = trainer.merge_and_unload()
+    prompt = list(range(5, 40))
+    ours, theirs = prompt_logprobs(engine, prompt), trainer_logprobs(merged, prompt)
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert max(abs(a - b) for a, b in zip(ours, trainer_logprobs(plain, prompt), strict=True)) > 0.1

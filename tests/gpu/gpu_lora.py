@@ -1,0 +1,241 @@
+"""The LoRA pieces of the GPU suite: a model of Qwen2-0.5B's decoder shape,
+a trainer of a rank-16 adapter on it (the reference policy with LoRA, in
+bf16), one vLLM engine with LoRA on the trainer's GPU, and adapter-only
+syncs each followed by logprob parity (test_gpu_lora.py; the LoRA row of
+the weight-format matrix through `gpu_helpers.lora_matrix_row`)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpu_helpers import gpu_used_mib, wait_gpus_released, wait_ready
+from gpu_trainer import BF16Policy
+from policy_probes import PolicyProbes
+
+from engines import SamplingParams, create_vllm_engines, destroy_engines
+
+TIMEOUT_S = 180
+RANK = 16
+#: Scaling alpha / rank = 8: a change of the adapter by noise of std 0.01
+#: (the matrix's) moves the model about as much as the same noise on every
+#: weight does, so a missed sync is far outside the parity bound.
+ALPHA = 128.0
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Adapter versions each engine keeps (the policy's max_staleness + 1): the
+#: engine's max_loras must hold them.
+KEEP = 2
+SEQUENCES = [list(range(5, 69)), [7, 99, 3, 250, 18, 64, 64, 12] * 4, list(range(200, 240))]
+
+
+def write_qwen2_half_b(path: Path) -> str:
+    """A random Qwen2 with Qwen2-0.5B's decoder (24 layers, hidden 896, MLP
+    4864, 14 heads, 2 KV heads), so its rank-16 adapter is that model's
+    (8.8M parameters over 168 modules); the byte-level vocabulary keeps it
+    small otherwise."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engines.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=320,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+class LoraPolicy(BF16Policy):
+    """The reference policy training a LoRA adapter, in bf16."""
+
+    def perturb(self, scale: float, seed: int = 0) -> int:
+        """Seeded noise on the adapter only (the base stays frozen); a new version."""
+        import torch
+
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for _, p in self.model.named_parameters():
+                if p.requires_grad:
+                    noise = torch.randn(p.shape, generator=generator)
+                    p.add_((noise * scale).to(p.device, p.dtype))
+        self.weight_version += 1
+        return self.weight_version
+
+    def sync_adapter_with_vllm_api(self, engines: list[Any]) -> float:
+        """Sync the adapter as a trainer written to vLLM 0.26's docs does (its
+        client and IPC trainer code); its API carries tensors only, so lora_B
+        goes scaled by alpha / rank (the engine takes scaling 1). Seconds."""
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+        started = time.monotonic()
+        scale = self.lora.spec.alpha / self.lora.spec.rank
+        weights = [(n, t * scale if ".lora_B." in n else t) for n, t in self.named_weights()]
+        client = RayVLLMWeightSyncClient(list(engines))
+        client.init_weight_transfer_engine({})
+        client.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(
+            iter(weights), {"send_mode": "ray", "llm_handle": list(engines), "packed": False}
+        )
+        client.finish_weight_update()
+        return time.monotonic() - started
+
+
+def start_lora_policy(pretrain: str, **options: Any):
+    import ray
+
+    from training.config import PolicyConfig
+
+    # Ray workers cannot import tests/gpu nor tests/: these modules go by value.
+    for module in (__name__, BF16Policy.__module__, PolicyProbes.__module__):
+        ray.cloudpickle.register_pickle_by_value(sys.modules[module])
+    config = PolicyConfig(
+        pretrain=pretrain,
+        device="cuda",
+        sync_timeout_s=120.0,
+        lora_rank=RANK,
+        lora_alpha=ALPHA,
+        lora_target_modules=TARGETS,
+        max_staleness=KEEP - 1,
+    )
+    return ray.remote(LoraPolicy).options(max_restarts=0, **options).remote(config.model_dump())
+
+
+@contextlib.contextmanager
+def lora_engine_and_policy(model: str, baseline_mib: list[int]) -> Iterator[tuple[list, Any]]:
+    """One vLLM engine with LoRA and the LoRA policy, sharing one GPU."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([{"GPU": 1, "CPU": 2}])
+    ray.get(pg.ready(), timeout=60)
+    engines = create_vllm_engines(
+        num_engines=1,
+        pretrain=model,
+        max_len=1024,
+        gpu_memory_utilization=0.3,
+        backend="vllm",
+        name_prefix="gpu-lora",
+        shared_pg=pg,
+        enforce_eager=True,
+        enable_lora=True,
+        max_lora_rank=RANK,
+        max_loras=KEEP,
+    )
+    policy = start_lora_policy(
+        model,
+        num_cpus=0.2,
+        num_gpus=0.2,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    )
+    try:
+        wait_ready(engines, "1 engine with LoRA colocated with the trainer")
+        yield engines, policy
+    finally:
+        ray.kill(policy)
+        destroy_engines(engines)
+        remove_placement_group(pg)
+        wait_gpus_released(baseline_mib)
+
+
+def engine_logprobs(engine) -> list[list[float]]:
+    import ray
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outputs = ray.get(engine.generate.remote(SEQUENCES, params), timeout=TIMEOUT_S)
+    return [
+        [
+            step[t].logprob
+            for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
+        ]
+        for o in outputs
+    ]
+
+
+def distance(ours: list[list[float]], theirs: list[list[float]]) -> tuple[float, float]:
+    flat = [
+        abs(a - b) for x, y in zip(ours, theirs, strict=True) for a, b in zip(x, y, strict=True)
+    ]
+    return max(flat), sum(flat) / len(flat)
+
+
+@dataclass(frozen=True)
+class AdapterSync:
+    """One adapter-only sync: parity after it (max, mean |engine - trainer|),
+    the mean distance a missed sync would show (the trainer before against
+    after the change), the trainer's seconds for the sync (`SyncReport`;
+    over vLLM's API, its client's calls), the report (None over vLLM's API)
+    and the version the engine serves after it."""
+
+    max_abs: float
+    mean_abs: float
+    stale_mean_abs: float
+    seconds: float
+    report: Any = field(repr=False)  # SyncReport | None
+    served: int
+
+
+def adapter_syncs(engines, policy, transport: str, syncs: int, perturb: float, directory: str):
+    """`syncs` syncs over `transport`, each of an adapter changed by `perturb`."""
+    import ray
+
+    if transport != "vllm_native":
+        options = {"checkpoint_dir": directory} if transport == "checkpoint" else {}
+        init = policy.init_weight_sync.remote(engines, transport=transport, **options)
+        ray.get(init, timeout=TIMEOUT_S)
+    engine = engines[0]
+    before = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
+    done = []
+    for _ in range(syncs):
+        version = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["weight_version"] + 1
+        ray.get(policy.perturb.remote(perturb, seed=version), timeout=TIMEOUT_S)
+        policy_version = ray.get(policy.health.remote(), timeout=TIMEOUT_S)["weight_version"]
+        after = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
+        if transport == "vllm_native":
+            report = None
+            sync = policy.sync_adapter_with_vllm_api.remote(engines)
+            seconds = ray.get(sync, timeout=TIMEOUT_S)
+        else:
+            report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
+            seconds = report.seconds
+        worst, mean = distance(engine_logprobs(engine), after)
+        _, stale = distance(before, after)
+        served = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["weight_version"]
+        assert served == policy_version == version, (served, policy_version, version)
+        done.append(AdapterSync(worst, mean, stale, seconds, report, served))
+        before = after
+    return done
+
+
+def matrix_row(transports, syncs: int, perturb: float, directory: str | Path) -> dict[str, list]:
+    """The weight-format matrix's LoRA row (`gpu_helpers.lora_matrix_row`)."""
+    baseline = gpu_used_mib()
+    model = write_qwen2_half_b(Path(directory) / "qwen2-0.5b-shaped")
+    results: dict[str, list] = {}
+    started = time.monotonic()
+    with lora_engine_and_policy(model, baseline) as (engines, policy):
+        for transport in transports:
+            where = str(Path(directory) / transport)
+            results[transport] = adapter_syncs(engines, policy, transport, syncs, perturb, where)
+    print(f"LoRA row: {time.monotonic() - started:.0f}s")
+    return results
