@@ -57,8 +57,7 @@ class WorkerWeights:
         self.expected: Manifest | None = None
         self.copy_plan: Any = None  # CopyPlan, made on the first load
         self.reloading = False  # inside vLLM's layerwise reload (unproven models)
-        # Per transport, what it keeps between its calls (a validated plan,
-        # a trainer's mapped tensors); dropped after a failed sync.
+        # Per transport, what it keeps between calls; dropped after a failed sync.
         self.held: dict[str, Any] = {}
         # The LoRA adapters served (`lora.adapter_store`): kept through failed syncs.
         self.adapters: Any = None
@@ -320,11 +319,10 @@ class WorkerWeights:
         return self.group is not None and self.group.alive
 
     def node_address(self) -> str:
-        """This worker's node address (the trainer listens on loopback when
-        every worker shares its node)."""
-        import ray
+        """This worker's node address (the trainer listens on loopback when all share it)."""
+        from ray.util import get_node_ip_address
 
-        return ray.util.get_node_ip_address()
+        return get_node_ip_address()
 
     def weight_group_id(self) -> str | None:
         return self.group.group_id if self.has_weight_group() else None
