@@ -2,14 +2,7 @@
 cannot hold two NCCL ranks, so colocated engines sync this way).
 
 No buffer and no packing: the engines open the trainer's own tensors by
-`reduce_tensor` handle and copy straight from them. Sender: `share(tensor)`
--> `{gpu_uuid: rebuild_args}`; the tensor must stay alive until every
-receiver has copied it. Receiver: `open_shared(handles, device_index)` picks
-the entry of its own GPU by UUID (the same physical GPU has different indices
-in processes with different CUDA_VISIBLE_DEVICES) and rebuilds the tensor on
-its own device index (argument 6 of the rebuild args, as vLLM's
-`IPCWeightTransferEngine` and OpenRLHF do). Handles cross vLLM's msgpack hop
-only as bytes (`dumps` / `loads`).
+`reduce_tensor` handle (`ipc_handles.py`) and copy straight from them.
 
 Tensors seen at the same addresses in two syncs in a row are the trainer's
 parameters (updated in place): the engines keep them mapped, later syncs send
@@ -26,7 +19,6 @@ Trainer: `CudaIpcSender`. Engine actor: `receive_shared_weights`,
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import uuid
 from typing import Any
@@ -43,7 +35,8 @@ from engines.weight_sync.coordinator import (
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
-from engines.weight_sync.manifest import ParamSpec, dtype_name, torch_dtype
+from engines.weight_sync.ipc_handles import dumps, loads, open_announced, share
+from engines.weight_sync.manifest import ParamSpec, dtype_name
 from engines.weight_sync.protocol import (
     Received,
     SenderOptions,
@@ -55,73 +48,6 @@ from engines.weight_sync.session import WeightSync
 from engines.weight_sync.worker import WorkerWeights
 
 logger = logging.getLogger(__name__)
-
-#: Index of the device index in the args of `rebuild_cuda_tensor`.
-DEVICE_ARG = 6
-
-
-def gpu_uuid(device_index: int) -> str:
-    import torch
-
-    return str(torch.cuda.get_device_properties(device_index).uuid)
-
-
-def share(tensor: Any) -> dict[str, tuple]:
-    """IPC handle of a CUDA tensor, keyed by its GPU's UUID."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if not tensor.is_cuda:
-        raise ValueError(f"CUDA IPC needs a CUDA tensor, got one on {tensor.device}")
-    _rebuild, args = reduce_tensor(tensor.detach())
-    return {gpu_uuid(tensor.device.index): tuple(args)}
-
-
-def merge_handles(per_rank: list[dict[str, tuple]]) -> dict[str, tuple]:
-    """One dict from the handles of several trainer ranks (one GPU each), so
-    every engine worker finds its own GPU; two ranks on one GPU are an error."""
-    merged: dict[str, tuple] = {}
-    for handles in per_rank:
-        for gpu, args in handles.items():
-            if gpu in merged:
-                raise ValueError(f"two trainer ranks shared memory of GPU {gpu}")
-            merged[gpu] = args
-    return merged
-
-
-def select_handle(handles: dict[str, tuple], uuid: str, device_index: int) -> list:
-    """The rebuild args for this receiver: its GPU's entry, with the device
-    index replaced by the receiver's own."""
-    if uuid not in handles:
-        raise WeightTransferError(
-            f"no CUDA IPC handle for this worker's GPU {uuid} (handles for {sorted(handles)}); "
-            "the trainer must run on the same GPU as the engine (colocated)"
-        )
-    args = list(handles[uuid])
-    if len(args) <= DEVICE_ARG:
-        raise WeightTransferError(f"malformed CUDA IPC handle: {len(args)} rebuild args")
-    args[DEVICE_ARG] = device_index
-    return args
-
-
-def open_shared(handles: dict[str, tuple], device_index: int) -> Any:
-    """The trainer's tensor, mapped into this process (no copy)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*select_handle(handles, gpu_uuid(device_index), device_index))
-
-
-def dumps(handles: dict[str, tuple]) -> bytes:
-    """Handles as bytes: vLLM's msgpack RPC refuses torch types otherwise."""
-    return pickle.dumps(handles)
-
-
-def loads(blob: bytes) -> dict[str, tuple]:
-    # pickle from our own trainer over the cluster's RPC, the same trust as
-    # Ray's own object transport.
-    handles = pickle.loads(blob)
-    if not isinstance(handles, dict):
-        raise WeightTransferError(f"CUDA IPC handles must be a dict, got {type(handles).__name__}")
-    return handles
 
 
 def copy_event() -> Any:
@@ -364,17 +290,6 @@ def worker_receive_shared(
         worker.held["cuda_ipc"] = (mapping, weights)
     answer.times = {"open_s": opened_at - started, "load_s": time.monotonic() - opened_at}
     return answer.plain()
-
-
-def open_announced(worker: WorkerWeights, spec: ParamSpec, handles: dict) -> Any:
-    """The trainer's tensor behind `handles`, which must be what `spec` announced."""
-    tensor = open_shared(handles, worker.device.index)
-    if tuple(tensor.shape) != spec.shape or tensor.dtype != torch_dtype(spec.dtype):
-        raise WeightTransferError(
-            f"{spec.name!r}: the shared tensor is {tensor.dtype} {list(tensor.shape)}, "
-            f"announced {spec.dtype} {list(spec.shape)}"
-        )
-    return tensor
 
 
 def worker_release_shared(worker: WorkerWeights) -> None:
