@@ -10,6 +10,7 @@ import statistics
 import time
 from typing import Any
 
+from engines.weight_sync.probe import ProbeReference, reference
 from training.config import PolicyConfig
 from training.grpo import (
     clipped_loss,
@@ -93,6 +94,10 @@ class ReferencePolicy(Trainer):
         # engine accepts bf16 only).
         return [(name, p.detach().to(self.sync_dtype)) for name, p in self.model.named_parameters()]
 
+    def probe_reference(self) -> ProbeReference:
+        # The float32 master weights, held to the tolerance of the dtype sent.
+        return reference(self.model, self.model.config.vocab_size, self.sync_dtype)
+
     def init_weight_sync(self, engines: list[Any], **kwargs: Any) -> dict[str, Any]:
         """As `Trainer.init_weight_sync`, with defaults from the config."""
         c = self.config
@@ -106,6 +111,7 @@ class ReferencePolicy(Trainer):
                 timeout_s=c.sync_timeout_s,
                 verify=c.verify,
                 on_failure=c.on_failure,
+                probe=c.probe,
             ),
         )
         return super().init_weight_sync(engines, **kwargs)

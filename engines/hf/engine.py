@@ -182,6 +182,11 @@ class HFEngine(RolloutEngine):
         tags_set = wake_tags(tags)
         self._asleep -= tags_set
 
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        # On the worker, under the model lock: the generation thread waits.
+        call = ("probe_logprobs", (list(token_ids),), {}, self.config.rpc_timeout_s)
+        return (await self._rpc(*call))[0]
+
     async def _freeze(self) -> None:
         await asyncio.to_thread(self._loop.freeze)
 

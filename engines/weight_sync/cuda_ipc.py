@@ -37,6 +37,7 @@ from engines.weight_sync.coordinator import (
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
 from engines.weight_sync.ipc_handles import dumps, loads, open_announced, share
 from engines.weight_sync.manifest import ParamSpec, dtype_name
+from engines.weight_sync.probe import ProbeReference
 from engines.weight_sync.protocol import (
     Received,
     SenderOptions,
@@ -148,7 +149,9 @@ class CudaIpcSender:
         params = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in weights]
         return dumps({"params": params, "handles": handles})
 
-    def sync(self, weights: Weights, version: int) -> SyncReport:
+    def sync(
+        self, weights: Weights, version: int, probe: ProbeReference | None = None
+    ) -> SyncReport:
         import torch
 
         if not self.engines:
@@ -158,7 +161,7 @@ class CudaIpcSender:
             raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
         manifest = self._manifests.of(weights)
         layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
-        coordinator = Coordinator(self.engines, self.config)
+        coordinator = Coordinator(self.engines, self.config, probe)
         phases = Phases()
         held, self._held = self._held, None
         # The engines read the tensors themselves: the trainer's last writes
@@ -208,7 +211,12 @@ class CudaIpcSender:
             coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
             phases.done("finish")
         return phases.report(
-            version, self.transport, len(self.engines), nbytes=manifest.nbytes, verified=False
+            version,
+            self.transport,
+            len(self.engines),
+            nbytes=manifest.nbytes,
+            verified=False,
+            probe=coordinator.probe_result(),
         )
 
 
