@@ -34,6 +34,7 @@ from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
 from engines.startup import StartupClock, actor_clock
+from engines.weight_sync.probe import sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -183,9 +184,11 @@ class HFEngine(RolloutEngine):
         self._asleep -= tags_set
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
-        # On the worker, under the model lock: the generation thread waits.
-        call = ("probe_logprobs", (list(token_ids),), {}, self.config.rpc_timeout_s)
-        return (await self._rpc(*call))[0]
+        def run() -> list[float]:
+            with self._model_lock:  # the generation thread waits
+                return sequence_logprobs(self.worker.model, token_ids)
+
+        return await asyncio.wait_for(asyncio.to_thread(run), self.config.rpc_timeout_s)
 
     async def _freeze(self) -> None:
         await asyncio.to_thread(self._loop.freeze)

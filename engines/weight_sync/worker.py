@@ -258,13 +258,6 @@ class WorkerWeights:
         known = finish_checksums(pending)
         return {name: known.get(name) for name in names}
 
-    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        """A transformers model's logprobs of `token_ids[1:]` (the sync's
-        probe, `probe.py`); vLLM's engine runs its probe as a request."""
-        from engines.weight_sync.probe import sequence_logprobs
-
-        return sequence_logprobs(self.model(), token_ids)
-
     def read_weights(self, names: list[str]) -> dict[str, Any]:
         """Copies of live weights by name (HF names on transformers models,
         vLLM's own names on vLLM), for inspection and tests."""
@@ -348,7 +341,6 @@ CORE_WORKER_METHODS = (
     "end_weight_sync",
     "weight_checksums",
     "read_weights",
-    "probe_logprobs",
     "init_process_group",
     "destroy_weight_group",
     "has_weight_group",
