@@ -118,7 +118,8 @@ class CudaIpcSender:
         self.gather_handles = gather_handles
         self.engines: list[Any] = []
         self._last_layout: tuple | None = None  # the layout of the last sync
-        self._held: tuple[tuple, str] | None = None  # (layout, mapping) the engines keep
+        # (layout, mapping, bytes) of the tensors the engines keep
+        self._held: tuple[tuple, str, int] | None = None
         self._manifests = ManifestCache()
         self._copy_events = CopyEvents()
 
@@ -156,26 +157,32 @@ class CudaIpcSender:
 
         if not self.engines:
             raise WeightSyncError("call init(engines) before sync")
-        weights = trainer_weights(weights)
-        if not all(t.is_cuda for _, t in weights):
-            raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
-        manifest = self._manifests.of(weights)
+        phases = Phases()
+        weights = list(weights)
+        # One pass over the tensors: the sync's critical path at large models
+        # is the way to the engines' copies, and Python per tensor is on it.
         layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
         coordinator = Coordinator(self.engines, self.config, probe)
-        phases = Phases()
         held, self._held = self._held, None
-        # The engines read the tensors themselves: the trainer's last writes
-        # must have landed.
-        torch.cuda.synchronize(weights[0][1].device)
         if held is not None and held[0] == layout:
-            mapping, shared, keep = held[1], None, True
+            # The engines hold these very tensors, checked against their
+            # manifests when they were opened: nothing to send or check again.
+            (_, mapping, nbytes), shared, keep, manifest = held, None, True, None
         else:
+            weights = trainer_weights(weights)
+            if not all(t.is_cuda for _, t in weights):
+                raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
+            manifest = self._manifests.of(weights)
+            nbytes = manifest.nbytes
             # Tensors seen at the same places twice in a row are the trainer's
             # own (not temporaries): the engines keep those mapped. Keeping
             # temporaries would pin a copy of the model in the trainer's memory.
             mapping, shared = uuid.uuid4().hex, self._share(weights)
             keep = layout == self._last_layout
         self._last_layout = layout
+        # The engines read the tensors themselves: the trainer's last writes
+        # must have landed.
+        torch.cuda.synchronize(weights[0][1].device)
         # Begin rides on the transfer call; one engine also commits in it. A
         # one-process trainer shares every engine worker's GPU, so it can wait
         # on the workers' copy events itself (`signal`).
@@ -204,7 +211,7 @@ class CudaIpcSender:
                 raise
             phases.done("copies")
         if keep:
-            self._held = (layout, mapping)
+            self._held = (layout, mapping, nbytes)
         else:
             torch.cuda.ipc_collect()  # free what the engines have let go
         if not received[0].committed:
@@ -214,7 +221,7 @@ class CudaIpcSender:
             version,
             self.transport,
             len(self.engines),
-            nbytes=manifest.nbytes,
+            nbytes=nbytes,
             verified=False,
             probe=coordinator.probe_result(),
         )
@@ -256,14 +263,14 @@ def worker_receive_shared(
     import torch
 
     started = time.monotonic()
-    kept = worker.held.get("cuda_ipc")  # (mapping, [(name, tensor)])
+    kept = worker.held.get("cuda_ipc")  # (mapping, [(name, tensor)], bytes)
     if shared is None:
         if kept is None or kept[0] != mapping:
             raise WeightTransferError(
                 f"this worker does not hold the shared weights {mapping!r}; the trainer "
                 "must send their handles again"
             )
-        weights = kept[1]
+        _, weights, nbytes = kept
     else:
         worker.held.pop("cuda_ipc", None)  # the trainer may free the old tensors now
         opened = loads(shared)
@@ -273,10 +280,13 @@ def worker_receive_shared(
             return WorkerAnswer(problems=problems).plain()
         pairs = zip(specs, opened["handles"], strict=True)
         weights = [(spec.name, open_announced(worker, spec, h)) for spec, h in pairs]
+        nbytes = sum(nbytes_of(t) for _, t in weights)
     opened_at = time.monotonic()
-    worker.load(weights, repeat=keep)
+    # The mapping names the kept tensor objects: their copies' graph applies
+    # again with no pass over them (CopyPlan.load).
+    worker.load(weights, repeat=keep, token=mapping if keep else None)
     answer = WorkerAnswer(
-        bytes=sum(nbytes_of(t) for _, t in weights),
+        bytes=nbytes,
         # Nothing for end_weight_sync to do, unless a layerwise reload must finish.
         holds_sync_state=worker.reloading,
     )
@@ -295,7 +305,7 @@ def worker_receive_shared(
         # The trainer writes these tensors again (or frees them) once we return.
         torch.cuda.synchronize(worker.device)
     if keep:
-        worker.held["cuda_ipc"] = (mapping, weights)
+        worker.held["cuda_ipc"] = (mapping, weights, nbytes)
     answer.times = {"open_s": opened_at - started, "load_s": time.monotonic() - opened_at}
     return answer.plain()
 

@@ -117,10 +117,12 @@ class WorkerWeights:
         """Whether loads replay recorded copies (else vLLM's layerwise reload)."""
         return not self.is_vllm_model() or type(self.model()).__name__ in REPLAY_PROVEN
 
-    def load(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
+    def load(
+        self, weights: list[tuple[str, Any]], repeat: bool = False, token: str | None = None
+    ) -> None:
         """Load through the model's loader once, then replay its copies
-        (`repeat`: the same tensors come again, see CopyPlan.load); models
-        not proven for replay go through vLLM's layerwise reload."""
+        (`repeat`, `token`: see CopyPlan.load); models not proven for replay
+        go through vLLM's layerwise reload."""
         if not self.replays():
             self._reload(weights)
             return
@@ -128,7 +130,7 @@ class WorkerWeights:
             from engines.weight_sync.copy_plan import CopyPlan
 
             self.copy_plan = CopyPlan(self.model(), self._model_loader())
-        self.copy_plan.load(weights, repeat=repeat)
+        self.copy_plan.load(weights, repeat=repeat, token=token)
 
     def _model_loader(self):
         model = self.model()
