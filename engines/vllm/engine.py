@@ -285,9 +285,10 @@ class VLLMEngine(RolloutEngine):
             await self._core.call(self.engine.reset_encoder_cache())
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
-        if self._admission.frozen:
+        if self._admission.frozen or self._asleep:
             # vLLM schedules no new request while its requests are frozen
-            # ("keep"): the probe would wait for the resume it precedes.
+            # ("keep"): the probe would wait for the resume it precedes. An
+            # engine still asleep (a sync that did not wake it) has no KV cache.
             return None
         api = vllm_api()
         params = api.vllm.SamplingParams(
