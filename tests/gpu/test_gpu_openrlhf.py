@@ -149,11 +149,13 @@ def test_openrlhf_trainer_syncs_and_the_engine_follows(
 
 # --- OpenRLHF's colocated path (CUDA IPC) on one GPU -----------------------------------------
 # 64 greedy prompts: the synced engine against a fresh one loaded from the
-# trainer's checkpoint (the issue measured 62 of 64 equal with handles sent
-# as args alone, 0 of 64 before the sync).
+# trainer's checkpoint. Issue 32 measured 62 of 64 equal with the handles
+# sent as args alone, 0 of 64 before the sync: the same bf16 weights, but
+# vLLM's kernels are not batch-invariant, so a near-tie can flip a greedy
+# token between two engines; 60 leaves room for that, not for a bad sync.
 COLOCATED_PROMPTS = [[3 + (11 * i + 7 * j) % 250 for j in range(8)] for i in range(64)]
 COLOCATED_GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-EQUAL_MIN = 62
+EQUAL_MIN = 60
 
 
 def get_physical_gpu_id():
