@@ -160,10 +160,8 @@ class CudaIpcSender:
         phases = Phases()
         weights = list(weights)
         # One pass over the tensors: the sync's critical path at large models
-        # is the way to the engines' copies, and Python per tensor is on it
-        # (nn.Parameter's __torch_function__ costs a third more per tensor).
-        with torch._C.DisableTorchFunctionSubclass():
-            layout = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in weights)
+        # is the way to the engines' copies, and Python per tensor is on it.
+        layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
         coordinator = Coordinator(self.engines, self.config, probe)
         held, self._held = self._held, None
         if held is not None and held[0] == layout:
