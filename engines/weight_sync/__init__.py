@@ -17,6 +17,7 @@ from engines.weight_sync.cuda_ipc import CudaIpcSender
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
     ManifestMismatchError,
+    ProbeMismatchError,
     WeightSyncError,
     WeightTransferError,
     WeightVersionError,
@@ -33,6 +34,7 @@ __all__ = [
     "Manifest",
     "ManifestMismatchError",
     "ParamSpec",
+    "ProbeMismatchError",
     "SyncConfig",
     "SyncReport",
     "WeightSyncError",

@@ -20,18 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.errors import ProbeMismatchError
 
 #: Tokens in the probe prompt: 15 logprobs, one short forward pass.
 PROBE_LENGTH = 16
 #: Ids are spread over the vocabulary by this stride (a prime): different
 #: embedding rows, no tokenizer needed on either side.
 STRIDE = 7919
-
-
-class ProbeMismatchError(WeightSyncError):
-    """After a sync, an engine's logprobs of the probe prompt differ from the
-    trainer's beyond the tolerance: the engine was not let serve them."""
 
 
 @dataclass(frozen=True)

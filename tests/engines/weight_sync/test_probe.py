@@ -17,11 +17,10 @@ from policy_probes import ProbedPolicy
 
 from engines import RequestError, SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
-from engines.weight_sync import Manifest, broadcast, sync_from_checkpoint
+from engines.weight_sync import Manifest, ProbeMismatchError, broadcast, sync_from_checkpoint
 from engines.weight_sync.buckets import plan_buckets
 from engines.weight_sync.probe import (
     PROBE_LENGTH,
-    ProbeMismatchError,
     ProbeReference,
     ProbeResult,
     check,
