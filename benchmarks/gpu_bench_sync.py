@@ -5,7 +5,15 @@ on the same bytes, for models of several sizes, printed side by side.
 
 Per size: one vLLM engine (eager) on GPU 0, and two trainers holding bf16
 weights of the engine's layout: one on GPU 0 (CUDA IPC, colocated) and one on
-GPU 1 (bucketed NCCL broadcast; skipped on a one-GPU host).
+GPU 1 (bucketed NCCL broadcast; skipped on a one-GPU host). The CUDA IPC
+trainer syncs `--syncs` times without the probe after each sync, then as many
+times with it (`engines/weight_sync/probe.py`: the engine's logprobs of a
+fixed 16-token prompt against the trainer's, computed by transformers on the
+weights sent, before the sync returns); the table shows both side by side,
+with the probe's share of the sync (target: at most +5%) and CUDA IPC's rate
+against the on-device copy's (target: at least 0.8). The trainer's reference
+forward is timed apart (`reference_s`): it is the trainer's work, done before
+the sync starts, like the optimizer step.
 Raw: one on-device copy of the same bytes on GPU 0 (the floor of a CUDA IPC
 sync: the engine must copy every byte into its own weights once), and one
 NCCL broadcast of the same bytes from GPU 1 to GPU 0 (vLLM's PyNccl, as our
@@ -103,7 +111,27 @@ class SyncPeer:
             tensor = torch.empty(spec.shape, dtype=torch.bfloat16, device=self.device)
             tensor.normal_(0.0, 0.02, generator=generator)
             self.weights.append((spec.name, tensor))
+        self.model_dir = model_dir
+        self.model = None  # transformers' model on these very tensors, for the probe
         self.sender = None
+
+    def probe_reference(self) -> Any:
+        """The probe's reference logprobs, computed by transformers on the
+        weights the trainer sends (its model made once, on those tensors)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from engines.weight_sync.probe import reference
+
+        if self.model is None:
+            config = AutoConfig.from_pretrained(self.model_dir)
+            with torch.device(self.device):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            # assign: the model's parameters become the trainer's tensors.
+            model.load_state_dict(dict(self.weights), assign=True)
+            self.model = model.eval()
+            torch.cuda.empty_cache()
+        return reference(self.model, self.model.config.vocab_size, torch.bfloat16)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.weights)
@@ -118,18 +146,25 @@ class SyncPeer:
             self.sender = CudaIpcSender(config)
         self.sender.init(engines)
 
-    def sync(self, version: int) -> dict:
+    def sync(self, version: int, probe: bool = False) -> dict:
         import torch
 
         # New weights in place, as an optimizer step leaves them. Timed from
         # weights that are ready, as the raw copy is: the step's kernels (7 ms
         # at 7B) are the trainer's time, and would otherwise run under the
-        # sync's first call.
+        # sync's first call. So is the probe's reference forward.
         with torch.no_grad():
             for _, tensor in self.weights:
                 tensor.mul_(1.001)
+        started = time.perf_counter()
+        reference = self.probe_reference() if probe else None
         torch.cuda.synchronize(self.device)
-        return self.sender.sync(self.weights, version).as_dict()
+        reference_s = time.perf_counter() - started
+        try:
+            report = self.sender.sync(self.weights, version, reference).as_dict()
+        except Exception as exc:  # noqa: BLE001 - a figure of the run: shown, not fatal
+            return {"version": version, "error": repr(exc)}
+        return {**report, "reference_s": reference_s if probe else None}
 
     def close(self) -> None:
         if self.sender is not None:
@@ -238,12 +273,17 @@ def bench_size(ray, name: str, model_dir: Path, syncs: int, two_gpus: bool) -> d
             if peer is None:
                 continue
             ray.get(peer.connect.remote(engines, transport), timeout=TIMEOUT_S)
-            reports = []
-            for _ in range(syncs):
-                version += 1
-                reports.append(ray.get(peer.sync.remote(version), timeout=TIMEOUT_S))
+            # CUDA IPC: the same trainer, warm, then with the probe after each sync.
+            for series, probe in ((transport, False), ("ipc_probe", True)):
+                if probe and transport != "ipc":
+                    continue
+                reports = []
+                for _ in range(syncs):
+                    version += 1
+                    sync = peer.sync.remote(version, probe)
+                    reports.append(ray.get(sync, timeout=TIMEOUT_S))
+                figures[series] = {"reports": reports}
             ray.get(peer.close.remote(), timeout=TIMEOUT_S)
-            figures[transport] = {"reports": reports}
         # Whether the engine replays recorded copies instead of load_weights.
         figures["copy_plan"] = ray.get(
             engines[0].collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S
@@ -253,7 +293,7 @@ def bench_size(ray, name: str, model_dir: Path, syncs: int, two_gpus: bool) -> d
             near.engine_call_ms.remote(engines, gap_s=0.01), timeout=TIMEOUT_S
         )
         copy = near.device_copy_seconds.remote(nbytes)
-        figures["ipc"]["raw_s"] = ray.get(copy, timeout=TIMEOUT_S)
+        figures["ipc"]["raw_s"] = figures["ipc_probe"]["raw_s"] = ray.get(copy, timeout=TIMEOUT_S)
         figures["checksum_s_per_gib"] = ray.get(near.checksum_seconds.remote(), timeout=TIMEOUT_S)
     finally:
         destroy_engines(engines)
@@ -286,30 +326,50 @@ def model_dir(name: str, root: Path) -> Path:
     return path
 
 
+IPC_SERIES = ("ipc", "ipc_probe")
+
+
+def steady(reports: list[dict]) -> dict | None:
+    """The median of the last three syncs by total (the steady state)."""
+    last = [r for r in reports[-3:] if "error" not in r]
+    return sorted(last, key=lambda r: r["seconds"])[len(last) // 2] if last else None
+
+
 def print_table(results: dict) -> None:
     print("\n== weight sync: the whole model, bf16, one engine; median of the last 3 syncs ==")
     print(
-        f"{'':16}{'bytes':>16}{'transfer s':>12}{'total s':>10}{'GB/s':>8}"
+        f"{'':18}{'bytes':>16}{'transfer s':>12}{'total s':>10}{'GB/s':>8}"
         f"{'raw s':>10}{'raw GB/s':>10}{'total/raw rate':>16}"
     )
     for size, figures in results.items():
-        for transport in ("ipc", "nccl"):
-            if transport not in figures:
+        for series in ("ipc", "ipc_probe", "nccl"):
+            if series not in figures:
                 continue
-            fig, nbytes = figures[transport], figures["bytes"]
-            # The steady state: the median of the last three syncs by total.
-            last = sorted(fig["reports"][-3:], key=lambda r: r["seconds"])[
-                len(fig["reports"][-3:]) // 2
-            ]
+            fig, nbytes = figures[series], figures["bytes"]
+            for failed in (r for r in fig["reports"] if "error" in r):
+                print(f"  {size} {series}: sync v{failed['version']} failed: {failed['error']}")
+            last = steady(fig["reports"])
+            if last is None:
+                continue
             rate, raw_rate = nbytes / last["seconds"] / 1e9, nbytes / fig["raw_s"] / 1e9
             print(
-                f"{size + ' ' + transport:16}{nbytes:>16,}{last['phases']['transfer']:>12.4f}"
+                f"{size + ' ' + series:18}{nbytes:>16,}{last['phases']['transfer']:>12.4f}"
                 f"{last['seconds']:>10.4f}{rate:>8.1f}{fig['raw_s']:>10.5f}{raw_rate:>10.1f}"
                 f"{rate / raw_rate:>16.3f}"
             )
-            totals = ", ".join(f"{r['seconds']:.4f}" for r in fig["reports"])
+            totals = ", ".join(f"{r.get('seconds', float('nan')):.4f}" for r in fig["reports"])
             print(f"  every sync's total s: {totals}; median's phases {last['phases']}")
             print(f"  inside the engine (median sync): {last.get('engine_times', {})}")
+            if last.get("probe"):
+                print(f"  probe: {last['probe']}; trainer's reference {last['reference_s']:.4f}s")
+        plain, probed = (steady(figures.get(k, {}).get("reports", [])) for k in IPC_SERIES)
+        if plain and probed:
+            added = probed["seconds"] / plain["seconds"] - 1
+            rate = figures["ipc"]["raw_s"] / plain["seconds"]
+            print(
+                f"  {size}: the probe adds {added:+.1%} to a CUDA IPC sync (target <= +5%); "
+                f"CUDA IPC at {rate:.3f} of the on-device copy's rate (target >= 0.8)"
+            )
         print(f"  {size}: engine ready in {figures['engine_ready_s']:.1f}s")
         print(f"  {size}: copy plan {figures['copy_plan']}")
         print(f"  {size}: checksum of 1 GiB {figures['checksum_s_per_gib'] * 1e3:.2f} ms")

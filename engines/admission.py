@@ -61,6 +61,11 @@ class Admission:
     def closed(self) -> bool:
         return self._closes > 0
 
+    @property
+    def frozen(self) -> bool:
+        """Requests are frozen inside the backend (a "keep" close with work in flight)."""
+        return self._frozen
+
     @asynccontextmanager
     async def request(self):
         """Wait until admission is open, then hold a place (and a Ticket

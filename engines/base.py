@@ -300,6 +300,12 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
         await self._admission.open()
 
     @abc.abstractmethod
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """Logprobs of `token_ids[1:]` on the weights loaded, run past the
+        closed door (a sync's probe, before requests are let in again);
+        None when the backend cannot run a request now."""
+
+    @abc.abstractmethod
     async def _freeze(self) -> None:
         """Stop every request in flight between two steps; return once none is in one."""
 

@@ -169,6 +169,12 @@ class TrainingParams(BaseModel):
         description="overlap / in_flight: versions a row may lag the policy that trains on "
         "it (at least 1). 'sync' is strictly on-policy (0).",
     )
+    weight_sync_probe: bool = Field(
+        True,
+        description="After each weight sync, every engine compares its logprobs of a fixed "
+        "16-token prompt with the policy's before it serves the new weights; a mismatch "
+        "marks it stale. Costs one short forward pass per engine and one on the policy.",
+    )
     iterations: int = Field(
         1,
         ge=1,

@@ -300,6 +300,7 @@ def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConf
         ),
         sync_backend="nccl" if on_gpu else "gloo",
         max_staleness=params.training.staleness_bound,
+        probe=params.training.weight_sync_probe,
     )
 
 

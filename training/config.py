@@ -59,6 +59,11 @@ class PolicyConfig(BaseModel):
     sync_timeout_s: float = Field(60.0, gt=0.0)
     verify: bool = True
     on_failure: Literal["restore", "stale"] = "stale"
+    probe: bool = Field(
+        True,
+        description="After each sync, every engine compares its logprobs of a fixed short "
+        "prompt with the policy's before it serves the new weights (docs/weight_sync.md).",
+    )
     checkpoint_dir: str | None = Field(
         None, description="Where the checkpoint transport writes (shared with the engines)."
     )

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from engines.weight_sync import LoraSpec, LoraSync
+from engines.weight_sync.probe import ProbeReference, reference
 from training.config import PolicyConfig
 from training.grpo import (
     clipped_loss,
@@ -126,6 +127,10 @@ class ReferencePolicy(Trainer):
     def lora_sync(self) -> LoraSync | None:
         return self.lora
 
+    def probe_reference(self) -> ProbeReference:
+        # The float32 master weights, held to the tolerance of the dtype sent.
+        return reference(self.model, self.model.config.vocab_size, self.sync_dtype)
+
     def init_weight_sync(self, engines: list[Any], **kwargs: Any) -> dict[str, Any]:
         """As `Trainer.init_weight_sync`, with defaults from the config."""
         c = self.config
@@ -139,6 +144,7 @@ class ReferencePolicy(Trainer):
                 timeout_s=c.sync_timeout_s,
                 verify=c.verify,
                 on_failure=c.on_failure,
+                probe=c.probe,
             ),
         )
         return super().init_weight_sync(engines, **kwargs)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import abc
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.weight_sync import LoraSync, SyncConfig, SyncReport
 from engines.weight_sync import checkpoint as ckpt
 from engines.weight_sync.coordinator import as_engine_list
+from engines.weight_sync.probe import ProbeReference
 from engines.weight_sync.protocol import SenderOptions, WeightSender, new_sender
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,13 @@ class Trainer(abc.ABC):
         tensors, peft's names, and a sync sends those only)."""
         return None
 
+    def probe_reference(self) -> ProbeReference | None:
+        """The trainer's logprobs of the sync's probe prompt on the weights it
+        sends (`engines.weight_sync.probe.reference`), which each engine
+        checks before it serves them; None: this trainer cannot compute them
+        (the report then says the probe was skipped)."""
+        return None
+
     def device_of_weights(self) -> Any:
         return self.named_weights()[0][1].device
 
@@ -132,7 +141,12 @@ class Trainer(abc.ABC):
         version = self.weight_version
         if version == self._synced_version:
             return SyncReport(version, self._sender.transport, len(self._engines), skipped=True)
-        report = self._sender.sync(self.named_weights(), version)
+        started = time.monotonic()
+        probe = self.probe_reference() if self._sender.config.probe else None
+        referenced = time.monotonic() - started
+        report = self._sender.sync(self.named_weights(), version, probe)
+        if probe is not None:
+            report = replace(report, phases={"probe_reference": referenced, **report.phases})
         self._synced_version = version
         logger.info(
             "synced weight version %d: %d bytes in %.3fs (%.3f GB/s)",

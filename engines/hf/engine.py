@@ -37,6 +37,7 @@ from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
 from engines.startup import StartupClock, actor_clock
 from engines.weight_sync.lora import adapter_versions
+from engines.weight_sync.probe import sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,13 @@ class HFEngine(RolloutEngine):
     async def wake_up(self, tags: list[str] | None = None) -> None:
         tags_set = wake_tags(tags)
         self._asleep -= tags_set
+
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        def run() -> list[float]:
+            with self._model_lock:  # the generation thread waits
+                return sequence_logprobs(self.worker.model, token_ids)
+
+        return await asyncio.wait_for(asyncio.to_thread(run), self.config.rpc_timeout_s)
 
     async def _freeze(self) -> None:
         await asyncio.to_thread(self._loop.freeze)

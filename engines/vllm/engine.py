@@ -306,6 +306,24 @@ class VLLMEngine(RolloutEngine):
             await self._core.call(self.engine.reset_mm_cache())
             await self._core.call(self.engine.reset_encoder_cache())
 
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        if self._admission.frozen or self._asleep:
+            # vLLM schedules no new request while its requests are frozen
+            # ("keep"): the probe would wait for the resume it precedes. An
+            # engine still asleep (a sync that did not wake it) has no KV cache.
+            return None
+        api = vllm_api()
+        params = api.vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
+        )
+        params.output_kind = api.RequestOutputKind.FINAL_ONLY
+        output = await asyncio.wait_for(
+            self._one(list(token_ids), params), self.config.rpc_timeout_s
+        )
+        # Position 0 has no logprob; each other holds its own token's.
+        positions = output.prompt_logprobs[1:]
+        return [p[t].logprob for p, t in zip(positions, token_ids[1:], strict=True)]
+
     # Mode "wait" needs no call to the engine core: requests are held in this
     # actor, not inside vLLM, and those let in run to completion.
     async def _freeze(self) -> None:

@@ -19,6 +19,7 @@ from engines.weight_sync.cuda_ipc import CudaIpcSender
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
     ManifestMismatchError,
+    ProbeMismatchError,
     WeightSyncError,
     WeightTransferError,
     WeightVersionError,
@@ -39,6 +40,7 @@ __all__ = [
     "Manifest",
     "ManifestMismatchError",
     "ParamSpec",
+    "ProbeMismatchError",
     "SyncConfig",
     "SyncReport",
     "WeightSyncError",

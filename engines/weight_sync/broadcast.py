@@ -39,6 +39,7 @@ from engines.weight_sync.coordinator import (
 from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.group import WeightGroup, listen, rendezvous_address
 from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.probe import ProbeReference
 from engines.weight_sync.protocol import (
     Begun,
     Received,
@@ -172,9 +173,8 @@ class BroadcastSender:
         return self._plan[1], self._plan[2]
 
     def _group_intact(self, begun: list[Begun]) -> bool:
-        """Our group is up, and every engine worker is still in it (a failed
-        sync tears groups down; another trainer may have taken the engines):
-        from the engines' answers to begin."""
+        """Our group is up and every engine worker still in it (from their answers
+        to begin): a failed sync tears groups down, another trainer may take engines."""
         if self.group is None or not self.group.alive:
             logger.info("weight group is down: rebuilding it")
             return False
@@ -183,14 +183,17 @@ class BroadcastSender:
             return False
         return True
 
-    def sync(self, weights: Weights, version: int) -> SyncReport:
-        """Push `weights` as `version` to every engine: `start`, send every
-        bucket, `finish`."""
-        transfer = self.start(weights, version)
+    def sync(
+        self, weights: Weights, version: int, probe: ProbeReference | None = None
+    ) -> SyncReport:
+        """Push `weights` as `version`: `start`, send every bucket, `finish`."""
+        transfer = self.start(weights, version, probe)
         transfer.send()
         return transfer.finish()
 
-    def start(self, weights: Weights, version: int) -> BroadcastTransfer:
+    def start(
+        self, weights: Weights, version: int, probe: ProbeReference | None = None
+    ) -> BroadcastTransfer:
         """Check the manifest on every engine, open the sync (engines pause),
         and have them wait for the buckets. Rebuilds the group if a failed
         sync tore it down."""
@@ -198,7 +201,7 @@ class BroadcastSender:
             raise WeightSyncError("call init(engines) before sync")
         weights = trainer_weights(weights)
         manifest = self._manifests.of(weights)
-        coordinator = Coordinator(self.engines, self.config)
+        coordinator = Coordinator(self.engines, self.config, probe)
         phases = Phases()
         begun = coordinator.begin(version, manifest)
         if not self._group_intact(begun):
@@ -308,6 +311,7 @@ class BroadcastTransfer:
             nbytes=self.manifest.nbytes,
             verified=config.verify,
             buckets=len(self.plan.buckets),
+            probe=self.coordinator.probe_result(),
         )
 
 

@@ -26,6 +26,7 @@ from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, as_engine_list
 from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.manifest import Manifest, ParamSpec
+from engines.weight_sync.probe import ProbeReference
 from engines.weight_sync.protocol import (
     Committed,
     Received,
@@ -158,7 +159,11 @@ def save(
 
 # --- trainer side --------------------------------------------------------------------------
 def sync_from_checkpoint(
-    engines: list[Any], path: str, version: int | None = None, config: SyncConfig | None = None
+    engines: list[Any],
+    path: str,
+    version: int | None = None,
+    config: SyncConfig | None = None,
+    probe: ProbeReference | None = None,
 ) -> SyncReport:
     """Engines load a safetensors checkpoint directory (HF layout) that a
     trainer outside the cluster wrote (`save`); two-phase like the other
@@ -169,7 +174,7 @@ def sync_from_checkpoint(
         version = read_version(path)
         if version is None:
             raise WeightSyncError(f"{path} stores no weight version; pass version=")
-    coordinator = Coordinator(engines, config)
+    coordinator = Coordinator(engines, config, probe)
     phases = Phases()
     received = coordinator.begin_and_receive(
         version,
@@ -187,7 +192,12 @@ def sync_from_checkpoint(
         coordinator.finish(version)
         phases.done("finish")
     return phases.report(
-        version, "checkpoint", len(engines), nbytes=manifest.nbytes, verified=config.verify
+        version,
+        "checkpoint",
+        len(engines),
+        nbytes=manifest.nbytes,
+        verified=config.verify,
+        probe=coordinator.probe_result(),
     )
 
 
@@ -210,10 +220,15 @@ class CheckpointSender:
     def summary(self) -> dict[str, Any]:
         return {}
 
-    def sync(self, weights: Iterable[tuple[str, Any]], version: int) -> SyncReport:
+    def sync(
+        self,
+        weights: Iterable[tuple[str, Any]],
+        version: int,
+        probe: ProbeReference | None = None,
+    ) -> SyncReport:
         path = os.path.join(self.directory, f"v{version:06d}")
         save(weights, path, version=version)
-        return sync_from_checkpoint(self.engines, path, version, self.config)
+        return sync_from_checkpoint(self.engines, path, version, self.config, probe)
 
     def close(self) -> None:
         self.engines = []

@@ -82,6 +82,9 @@ class SyncConfig:
     - `timeout_s`: deadline of every collective and of every call into an engine.
     - `verify`: compare checksums of the engines' weights with the trainer's
       before the new version is served.
+    - `probe`: before serving the new weights, each engine compares its
+      logprobs of a fixed short prompt with the trainer's (`probe.py`), when
+      the trainer gives them; a mismatch aborts the sync on that engine.
     - `on_failure`: `"restore"` keeps a host copy of each engine's weights during
       the sync and puts it back if the sync fails (the engine keeps serving the
       old version; costs host memory of one model per engine); `"stale"` marks
@@ -92,6 +95,7 @@ class SyncConfig:
     timeout_s: float = 60.0
     verify: bool = True
     on_failure: Literal["restore", "stale"] = "stale"
+    probe: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int):

@@ -24,6 +24,7 @@ from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.errors import ChecksumMismatchError, WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.probe import ProbeReference, ProbeResult, combined
 from engines.weight_sync.protocol import Begun, OneCall, SyncReport
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class Phases:
         nbytes: int,
         verified: bool,
         buckets: int = 0,
+        probe: ProbeResult | None = None,
     ) -> SyncReport:
         """The report of the sync these phases timed, now done."""
         return SyncReport(
@@ -102,6 +104,7 @@ class Phases:
             verified=verified,
             phases=self.times,
             engine_times=self.engine_times,
+            probe=probe,
         )
 
 
@@ -131,12 +134,25 @@ def failure_of(engines: list[Any], results: list[EngineCallResult], what: str) -
 
 
 class Coordinator:
-    def __init__(self, engines: list[Any], config: SyncConfig):
+    """One sync over `engines`. `probe`: the trainer's reference, which
+    every engine checks in its commit (ignored with `config.probe` off)."""
+
+    def __init__(self, engines: list[Any], config: SyncConfig, probe: ProbeReference | None = None):
         if not engines:
             raise ValueError("no engines to sync")
         self.engines = engines
         self.config = config
+        self.probe = probe if config.probe else None
+        self._probed: list[ProbeResult] = []
         self._open: list[int] = []
+
+    def probe_result(self) -> ProbeResult:
+        """What the probe did in this sync's commits, for its report."""
+        if not self.config.probe:
+            return ProbeResult("off")
+        if self.probe is None:
+            return ProbeResult("skipped", note="the trainer gave no reference")
+        return combined(self._probed)
 
     def _call(self, method: str, *args: Any, only: list[int] | None = None, **kwargs: Any):
         indices = list(range(len(self.engines))) if only is None else only
@@ -205,12 +221,14 @@ class Coordinator:
                 allow_partial=allow_partial,
                 wake=wake,
                 wake_after=wake_after,
+                probe=self.probe,
             )
             for engine in self.engines
         ]
         answers = self.collect(refs, f"sync to version {version} ({receive})")
         if commit:
             self._open = []
+            self._probed = [a.probe for a in answers if a.probe is not None]
         return answers
 
     def collect(self, refs: list[Any], what: str) -> list[Any]:
@@ -240,8 +258,11 @@ class Coordinator:
 
     def finish(self, version: int, wake: list[str] | None = None) -> None:
         """Commit on every engine (each wakes `wake` before it resumes)."""
-        results = self._call("finish_weight_sync", version, wake=wake, only=self._open)
+        results = self._call(
+            "finish_weight_sync", version, wake=wake, probe=self.probe, only=self._open
+        )
         self._open = []
+        self._probed = [r.value.probe for r in results if r.ok and r.value.probe is not None]
         if not all(r.ok for r in results):
             # Engines that failed here aborted themselves (or died); those that
             # committed serve the new version, consistently.

@@ -2,14 +2,7 @@
 cannot hold two NCCL ranks, so colocated engines sync this way).
 
 No buffer and no packing: the engines open the trainer's own tensors by
-`reduce_tensor` handle and copy straight from them. Sender: `share(tensor)`
--> `{gpu_uuid: rebuild_args}`; the tensor must stay alive until every
-receiver has copied it. Receiver: `open_shared(handles, device_index)` picks
-the entry of its own GPU by UUID (the same physical GPU has different indices
-in processes with different CUDA_VISIBLE_DEVICES) and rebuilds the tensor on
-its own device index (argument 6 of the rebuild args, as vLLM's
-`IPCWeightTransferEngine` and OpenRLHF do). Handles cross vLLM's msgpack hop
-only as bytes (`dumps` / `loads`).
+`reduce_tensor` handle (`ipc_handles.py`) and copy straight from them.
 
 Tensors seen at the same addresses in two syncs in a row are the trainer's
 parameters (updated in place): the engines keep them mapped, later syncs send
@@ -26,7 +19,6 @@ Trainer: `CudaIpcSender`. Engine actor: `receive_shared_weights`,
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import uuid
 from typing import Any
@@ -43,7 +35,9 @@ from engines.weight_sync.coordinator import (
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
-from engines.weight_sync.manifest import ParamSpec, dtype_name, torch_dtype
+from engines.weight_sync.ipc_handles import dumps, loads, open_announced, share
+from engines.weight_sync.manifest import ParamSpec, dtype_name
+from engines.weight_sync.probe import ProbeReference
 from engines.weight_sync.protocol import (
     Received,
     SenderOptions,
@@ -55,73 +49,6 @@ from engines.weight_sync.session import WeightSync
 from engines.weight_sync.worker import WorkerWeights
 
 logger = logging.getLogger(__name__)
-
-#: Index of the device index in the args of `rebuild_cuda_tensor`.
-DEVICE_ARG = 6
-
-
-def gpu_uuid(device_index: int) -> str:
-    import torch
-
-    return str(torch.cuda.get_device_properties(device_index).uuid)
-
-
-def share(tensor: Any) -> dict[str, tuple]:
-    """IPC handle of a CUDA tensor, keyed by its GPU's UUID."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if not tensor.is_cuda:
-        raise ValueError(f"CUDA IPC needs a CUDA tensor, got one on {tensor.device}")
-    _rebuild, args = reduce_tensor(tensor.detach())
-    return {gpu_uuid(tensor.device.index): tuple(args)}
-
-
-def merge_handles(per_rank: list[dict[str, tuple]]) -> dict[str, tuple]:
-    """One dict from the handles of several trainer ranks (one GPU each), so
-    every engine worker finds its own GPU; two ranks on one GPU are an error."""
-    merged: dict[str, tuple] = {}
-    for handles in per_rank:
-        for gpu, args in handles.items():
-            if gpu in merged:
-                raise ValueError(f"two trainer ranks shared memory of GPU {gpu}")
-            merged[gpu] = args
-    return merged
-
-
-def select_handle(handles: dict[str, tuple], uuid: str, device_index: int) -> list:
-    """The rebuild args for this receiver: its GPU's entry, with the device
-    index replaced by the receiver's own."""
-    if uuid not in handles:
-        raise WeightTransferError(
-            f"no CUDA IPC handle for this worker's GPU {uuid} (handles for {sorted(handles)}); "
-            "the trainer must run on the same GPU as the engine (colocated)"
-        )
-    args = list(handles[uuid])
-    if len(args) <= DEVICE_ARG:
-        raise WeightTransferError(f"malformed CUDA IPC handle: {len(args)} rebuild args")
-    args[DEVICE_ARG] = device_index
-    return args
-
-
-def open_shared(handles: dict[str, tuple], device_index: int) -> Any:
-    """The trainer's tensor, mapped into this process (no copy)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*select_handle(handles, gpu_uuid(device_index), device_index))
-
-
-def dumps(handles: dict[str, tuple]) -> bytes:
-    """Handles as bytes: vLLM's msgpack RPC refuses torch types otherwise."""
-    return pickle.dumps(handles)
-
-
-def loads(blob: bytes) -> dict[str, tuple]:
-    # pickle from our own trainer over the cluster's RPC, the same trust as
-    # Ray's own object transport.
-    handles = pickle.loads(blob)
-    if not isinstance(handles, dict):
-        raise WeightTransferError(f"CUDA IPC handles must be a dict, got {type(handles).__name__}")
-    return handles
 
 
 def copy_event() -> Any:
@@ -191,7 +118,8 @@ class CudaIpcSender:
         self.gather_handles = gather_handles
         self.engines: list[Any] = []
         self._last_layout: tuple | None = None  # the layout of the last sync
-        self._held: tuple[tuple, str] | None = None  # (layout, mapping) the engines keep
+        # (layout, mapping, bytes) of the tensors the engines keep
+        self._held: tuple[tuple, str, int] | None = None
         self._manifests = ManifestCache()
         self._copy_events = CopyEvents()
 
@@ -222,31 +150,39 @@ class CudaIpcSender:
         params = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in weights]
         return dumps({"params": params, "handles": handles})
 
-    def sync(self, weights: Weights, version: int) -> SyncReport:
+    def sync(
+        self, weights: Weights, version: int, probe: ProbeReference | None = None
+    ) -> SyncReport:
         import torch
 
         if not self.engines:
             raise WeightSyncError("call init(engines) before sync")
-        weights = trainer_weights(weights)
-        if not all(t.is_cuda for _, t in weights):
-            raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
-        manifest = self._manifests.of(weights)
-        layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
-        coordinator = Coordinator(self.engines, self.config)
         phases = Phases()
+        weights = list(weights)
+        # One pass over the tensors: the sync's critical path at large models
+        # is the way to the engines' copies, and Python per tensor is on it.
+        layout = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in weights)
+        coordinator = Coordinator(self.engines, self.config, probe)
         held, self._held = self._held, None
-        # The engines read the tensors themselves: the trainer's last writes
-        # must have landed.
-        torch.cuda.synchronize(weights[0][1].device)
         if held is not None and held[0] == layout:
-            mapping, shared, keep = held[1], None, True
+            # The engines hold these very tensors, checked against their
+            # manifests when they were opened: nothing to send or check again.
+            (_, mapping, nbytes), shared, keep, manifest = held, None, True, None
         else:
+            weights = trainer_weights(weights)
+            if not all(t.is_cuda for _, t in weights):
+                raise ValueError("CUDA IPC needs the trainer's weights on a GPU")
+            manifest = self._manifests.of(weights)
+            nbytes = manifest.nbytes
             # Tensors seen at the same places twice in a row are the trainer's
             # own (not temporaries): the engines keep those mapped. Keeping
             # temporaries would pin a copy of the model in the trainer's memory.
             mapping, shared = uuid.uuid4().hex, self._share(weights)
             keep = layout == self._last_layout
         self._last_layout = layout
+        # The engines read the tensors themselves: the trainer's last writes
+        # must have landed.
+        torch.cuda.synchronize(weights[0][1].device)
         # Begin rides on the transfer call; one engine also commits in it. A
         # one-process trainer shares every engine worker's GPU, so it can wait
         # on the workers' copy events itself (`signal`).
@@ -275,14 +211,19 @@ class CudaIpcSender:
                 raise
             phases.done("copies")
         if keep:
-            self._held = (layout, mapping)
+            self._held = (layout, mapping, nbytes)
         else:
             torch.cuda.ipc_collect()  # free what the engines have let go
         if not received[0].committed:
             coordinator.finish(version, wake=["kv_cache"] if self.wake_up else None)
             phases.done("finish")
         return phases.report(
-            version, self.transport, len(self.engines), nbytes=manifest.nbytes, verified=False
+            version,
+            self.transport,
+            len(self.engines),
+            nbytes=nbytes,
+            verified=False,
+            probe=coordinator.probe_result(),
         )
 
 
@@ -322,14 +263,14 @@ def worker_receive_shared(
     import torch
 
     started = time.monotonic()
-    kept = worker.held.get("cuda_ipc")  # (mapping, [(name, tensor)])
+    kept = worker.held.get("cuda_ipc")  # (mapping, [(name, tensor)], bytes)
     if shared is None:
         if kept is None or kept[0] != mapping:
             raise WeightTransferError(
                 f"this worker does not hold the shared weights {mapping!r}; the trainer "
                 "must send their handles again"
             )
-        weights = kept[1]
+        _, weights, nbytes = kept
     else:
         worker.held.pop("cuda_ipc", None)  # the trainer may free the old tensors now
         opened = loads(shared)
@@ -339,10 +280,13 @@ def worker_receive_shared(
             return WorkerAnswer(problems=problems).plain()
         pairs = zip(specs, opened["handles"], strict=True)
         weights = [(spec.name, open_announced(worker, spec, h)) for spec, h in pairs]
+        nbytes = sum(nbytes_of(t) for _, t in weights)
     opened_at = time.monotonic()
-    worker.load(weights, repeat=keep)
+    # The mapping names the kept tensor objects: their copies' graph applies
+    # again with no pass over them (CopyPlan.load).
+    worker.load(weights, repeat=keep, token=mapping if keep else None)
     answer = WorkerAnswer(
-        bytes=sum(nbytes_of(t) for _, t in weights),
+        bytes=nbytes,
         # Nothing for end_weight_sync to do, unless a layerwise reload must finish.
         holds_sync_state=worker.reloading,
     )
@@ -361,20 +305,9 @@ def worker_receive_shared(
         # The trainer writes these tensors again (or frees them) once we return.
         torch.cuda.synchronize(worker.device)
     if keep:
-        worker.held["cuda_ipc"] = (mapping, weights)
+        worker.held["cuda_ipc"] = (mapping, weights, nbytes)
     answer.times = {"open_s": opened_at - started, "load_s": time.monotonic() - opened_at}
     return answer.plain()
-
-
-def open_announced(worker: WorkerWeights, spec: ParamSpec, handles: dict) -> Any:
-    """The trainer's tensor behind `handles`, which must be what `spec` announced."""
-    tensor = open_shared(handles, worker.device.index)
-    if tuple(tensor.shape) != spec.shape or tensor.dtype != torch_dtype(spec.dtype):
-        raise WeightTransferError(
-            f"{spec.name!r}: the shared tensor is {tensor.dtype} {list(tensor.shape)}, "
-            f"announced {spec.dtype} {list(spec.shape)}"
-        )
-    return tensor
 
 
 def worker_release_shared(worker: WorkerWeights) -> None:

@@ -27,6 +27,12 @@ class ChecksumMismatchError(WeightSyncError):
     """After the transfer, an engine's weights differ from the trainer's."""
 
 
+class ProbeMismatchError(WeightSyncError):
+    """After a sync, an engine's logprobs of the probe prompt differ from the
+    trainer's beyond the tolerance: the engine was not let serve them
+    (`probe.py`)."""
+
+
 class WeightTransferError(WeightSyncError):
     """A collective or transfer failed or timed out (a peer died or hung). The
     process group is torn down; build a new one before the next sync."""

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.weight_sync import cuda_ipc, moe
+from engines.weight_sync import ipc_handles as ipc
+from engines.weight_sync import moe
 from engines.weight_sync.manifest import Manifest, ParamSpec, dtype_name
 from engines.weight_sync.open_sync import OpenSync
 from engines.weight_sync.protocol import Transport, WorkerAnswer
@@ -82,7 +83,7 @@ async def update_weight_cuda_ipc(
     tensor's `reduce_tensor` result (or its args)."""
     session = await _implicit_session(sync)
     spec = _spec(name, dtype, shape)
-    blob = ipc_handles if isinstance(ipc_handles, bytes) else cuda_ipc.dumps(ipc_handles)
+    blob = ipc_handles if isinstance(ipc_handles, bytes) else ipc.dumps(ipc_handles)
     await sync.receive("update_weight_cuda_ipc", *spec, blob, bool(empty_cache), session=session)
     await _after(sync, session, spec, empty_cache)
 
@@ -119,7 +120,7 @@ def worker_update_weight_cuda_ipc(
     problems = worker.problems_of([spec])
     if problems:
         return WorkerAnswer(problems=problems).plain()
-    weight = cuda_ipc.open_announced(worker, spec, cuda_ipc.loads(ipc_handles))
+    weight = ipc.open_announced(worker, spec, ipc.loads(ipc_handles))
     worker.record_wire([(name, weight)])
     worker.load([(name, weight)])
     # The trainer frees or reuses its memory once we return.

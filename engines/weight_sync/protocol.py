@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from engines.weight_sync.config import SyncConfig
+    from engines.weight_sync.probe import ProbeReference, ProbeResult
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class SyncReport:
     engine_times: dict[str, float] = field(default_factory=dict)
     skipped: bool = False
     iteration: int | None = None
+    #: The probe after the sync (`probe.py`): passed, skipped or off, its
+    #: seconds and differences.
+    probe: ProbeResult | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -64,6 +68,7 @@ class SyncReport:
             "verified": self.verified,
             "phases": {k: round(v, 6) for k, v in self.phases.items()},
             "engine_times": {k: round(v, 6) for k, v in self.engine_times.items()},
+            "probe": self.probe.as_dict() if self.probe is not None else None,
         }
 
 
@@ -73,9 +78,19 @@ class WeightSender(Protocol):
     iteration -> `close()`."""
 
     transport: str
+    config: SyncConfig
 
     def init(self, engines: list[Any]) -> Any: ...
-    def sync(self, weights: Sequence[tuple[str, Any]], version: int) -> SyncReport: ...
+    def sync(
+        self,
+        weights: Sequence[tuple[str, Any]],
+        version: int,
+        probe: ProbeReference | None = None,
+    ) -> SyncReport:
+        """Push `weights` as `version`; each engine checks `probe` (the
+        trainer's reference logprobs) before it serves them."""
+        ...
+
     def summary(self) -> dict[str, Any]:
         """What `init` set up, for the trainer's log line."""
         ...
@@ -109,6 +124,10 @@ class EngineHost(Protocol):
     async def resume_generation(self) -> None: ...
     async def reset_prefix_cache(self) -> bool: ...
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """Logprobs of `token_ids[1:]` on the weights loaded, while requests
+        are held out; None when it cannot run one now."""
+        ...
 
     #: `RolloutEngine.collective_rpc(method, args=(), kwargs=None,
     #: timeout_s=None)`, results in rank order; its signature is written
@@ -156,6 +175,7 @@ class OneCall:
     received: Received
     committed: bool
     call_s: float
+    probe: ProbeResult | None = None  # the commit's, when `committed`
 
     @property
     def times(self) -> dict[str, float]:
@@ -172,6 +192,7 @@ class Committed:
     version: int
     bytes: int
     verified: bool
+    probe: ProbeResult | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from engines.weight_sync.errors import (
 )
 from engines.weight_sync.manifest import raise_problems
 from engines.weight_sync.open_sync import OpenSync
+from engines.weight_sync.probe import ProbeReference, ProbeResult, check
 from engines.weight_sync.protocol import (
     Aborted,
     Begun,
@@ -214,14 +215,15 @@ class WeightSync(EngineWeights):
         allow_partial: bool = False,
         wake: list[str] | None = None,
         wake_after: list[str] | None = None,
+        probe: ProbeReference | None = None,
     ) -> OneCall:
         """`begin_weight_sync`, then the receive `receive(*args)`, in one call;
         with `commit`, `finish_weight_sync(wake=wake_after)` too. For receives
         that pull the bytes themselves (CUDA IPC, a checkpoint): the trainer
         needs nothing from begin before the bytes can move, so a round trip
         is saved. `commit` is for a sync with nothing to agree on between
-        receive and commit: one engine, nothing to verify. Any failure aborts
-        the sync here and raises."""
+        receive and commit: one engine, nothing to verify (`probe` goes to the
+        commit). Any failure aborts the sync here and raises."""
         started = time.monotonic()
         method = self._one_call.get(receive)
         if method is None:
@@ -238,14 +240,16 @@ class WeightSync(EngineWeights):
         )
         try:
             received = await method(self, *args)
+            committed = None
             if commit:
-                await self.finish_weight_sync(version, wake=wake_after)
+                committed = await self.finish_weight_sync(version, wake=wake_after, probe=probe)
         except BaseException as exc:
             # Failures inside the session already aborted it; this closes
             # one raised before (bad arguments). Idempotent.
             await self.abort_weight_sync(f"{receive} failed: {exc}")
             raise
-        return OneCall(begun, received, commit, time.monotonic() - started)
+        probed = committed.probe if committed is not None else None
+        return OneCall(begun, received, commit, time.monotonic() - started, probed)
 
     async def verify_weight_sync(self, version: int, checksums: dict[str, str]) -> int:
         """Compare the checksums of this engine's weights with the trainer's
@@ -266,11 +270,14 @@ class WeightSync(EngineWeights):
         version: int,
         checksums: dict[str, str] | None = None,
         wake: list[str] | None = None,
+        probe: ProbeReference | None = None,
     ) -> Committed:
         """Verify (when `checksums` are given), wake the `wake` tags (e.g.
-        ["kv_cache"] after a sync into a sleeping engine), reset the prefix
-        cache, serve `version`, resume. A checksum mismatch, or a failure to
-        wake, aborts the sync and raises."""
+        ["kv_cache"] after a sync into a sleeping engine), run the `probe`
+        (the trainer's logprobs of a fixed prompt, `probe.py`) before any
+        request is let in, reset the prefix cache, serve `version`, resume. A
+        checksum or probe mismatch, or a failure to wake, aborts the sync
+        and raises."""
         host = self.host
         if checksums:
             await self.verify_weight_sync(version, checksums)
@@ -281,6 +288,10 @@ class WeightSync(EngineWeights):
                     await self.rpc("end_weight_sync", False)
                 if wake:
                     await host.wake_up(wake)
+                probed = ProbeResult("skipped", note="no reference from the trainer")
+                if probe is not None:
+                    what = f"engine {self.name}, version {version}"
+                    probed = await check(host, probe, what)
             except BaseException as exc:
                 await self._abort(session, f"finishing failed: {exc}", locked=True)
                 raise
@@ -291,7 +302,7 @@ class WeightSync(EngineWeights):
             host.stale = False
             await host.resume_generation()
         logger.info("engine %s: now serving weight version %d", self.name, version)
-        return Committed(self.name, version, session.nbytes, bool(checksums))
+        return Committed(self.name, version, session.nbytes, bool(checksums), probed)
 
     async def abort_weight_sync(self, reason: str = "aborted by the caller") -> Aborted:
         """End the open sync without committing: restore the backup or mark the

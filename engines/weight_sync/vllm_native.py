@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.weight_sync import cuda_ipc, lora
+from engines.weight_sync import ipc_handles as ipc
+from engines.weight_sync import lora
 from engines.weight_sync.config import DEFAULT_GROUP_NAME
 from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.manifest import Manifest, ParamSpec, torch_dtype
@@ -109,9 +110,7 @@ async def update_weights(sync: WeightSync, request: Any) -> None:
     if "ipc_handles" in plain:  # bytes across vLLM's msgpack hop
         handles = plain["ipc_handles"]
         plain["ipc_handles"] = (
-            cuda_ipc.dumps(handles)
-            if isinstance(handles, dict)
-            else [cuda_ipc.dumps(h) for h in handles]
+            ipc.dumps(handles) if isinstance(handles, dict) else [ipc.dumps(h) for h in handles]
         )
     # One call receives every collective: the deadline grows with their number.
     if "ipc_handles" in info:
@@ -231,11 +230,11 @@ def _receive_packed(worker: WorkerWeights, chunk: list[ParamSpec]) -> list[Any]:
 
 def _open_ipc(worker: WorkerWeights, specs: list[ParamSpec], info: dict) -> list[Any]:
     if not info.get("packed"):
-        handles = [cuda_ipc.loads(h) for h in info["ipc_handles"]]
-        return [cuda_ipc.open_announced(worker, s, h) for s, h in zip(specs, handles, strict=True)]
+        handles = [ipc.loads(h) for h in info["ipc_handles"]]
+        return [ipc.open_announced(worker, s, h) for s, h in zip(specs, handles, strict=True)]
     # One buffer for the chunk, which the trainer reuses for the next chunk:
     # the views are cloned, as vLLM's `packed_ipc_consumer` does.
-    flat = cuda_ipc.open_shared(cuda_ipc.loads(info["ipc_handles"]), worker.device.index)
+    flat = ipc.open_shared(ipc.loads(info["ipc_handles"]), worker.device.index)
     sizes = [int(n) for n in info.get("tensor_sizes") or ()]
     if sizes != [s.nbytes for s in specs] or flat.numel() < sum(sizes):
         raise WeightSyncError(

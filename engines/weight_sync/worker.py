@@ -132,10 +132,12 @@ class WorkerWeights:
     def replays(self) -> bool:
         return self.unproven() is None
 
-    def load(self, weights: list[tuple[str, Any]], repeat: bool = False) -> None:
+    def load(
+        self, weights: list[tuple[str, Any]], repeat: bool = False, token: str | None = None
+    ) -> None:
         """Load through the model's loader once, then replay its copies
-        (`repeat`: the same tensors come again, see CopyPlan.load); models
-        not proven for replay go through vLLM's layerwise reload."""
+        (`repeat`, `token`: see CopyPlan.load); models not proven for replay
+        go through vLLM's layerwise reload."""
         if not self.replays():
             self._reload(weights)
             return
@@ -143,7 +145,7 @@ class WorkerWeights:
             from engines.weight_sync.copy_plan import CopyPlan
 
             self.copy_plan = CopyPlan(self.model(), self._model_loader())
-        self.copy_plan.load(weights, repeat=repeat)
+        self.copy_plan.load(weights, repeat=repeat, token=token)
 
     def _model_loader(self):
         model = self.model()

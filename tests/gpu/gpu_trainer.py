@@ -8,7 +8,7 @@ from typing import Any
 
 from policy_probes import PolicyProbes
 
-from engines.weight_sync import cuda_ipc
+from engines.weight_sync import ipc_handles as ipc
 from training.config import PolicyConfig
 from training.policy import ReferencePolicy
 
@@ -25,7 +25,7 @@ class BF16Policy(PolicyProbes, ReferencePolicy):
     def gpu_uuid(self) -> str:
         import torch
 
-        return cuda_ipc.gpu_uuid(torch.cuda.current_device())
+        return ipc.gpu_uuid(torch.cuda.current_device())
 
     def fp8_sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """`sequence_logprobs` with the decoder's linear layers computed as

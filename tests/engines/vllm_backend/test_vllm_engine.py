@@ -1,5 +1,5 @@
-"""The vLLM backend's sleep and wake-up on a shared GPU (engines/vllm/engine.py),
-with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
+"""The vLLM backend's sleep and wake-up on a shared GPU, and its sync probe
+(engines/vllm/engine.py), with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
 
 from __future__ import annotations
 
@@ -135,3 +135,40 @@ def test_a_lora_engine_asks_vllm_for_lora_of_its_rank():
     args = engine_args(api, lora)
     assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, 32, 2)
     assert args.max_cpu_loras == 3  # the served adapter stays while the next loads
+
+
+def test_the_probe_reads_each_prompt_tokens_logprob_from_one_request(engine, monkeypatch):
+    from engines.admission import Admission
+    from engines.outputs import Logprob, RequestOutput
+
+    sent = []
+
+    async def one(prompt, params):
+        sent.append((prompt, params))
+        # vLLM's prompt logprobs: none for the first token, then the token's own.
+        rows = [None] + [{t: Logprob(-0.5 * t), 99: Logprob(-9.0)} for t in prompt[1:]]
+        return RequestOutput("r", prompt, [], 0, "e0", prompt_logprobs=rows)
+
+    class Params(SimpleNamespace):
+        output_kind = None
+
+    api = SimpleNamespace(
+        vllm=SimpleNamespace(SamplingParams=Params),
+        RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"),
+    )
+    monkeypatch.setattr(vllm_engine, "vllm_api", lambda: api)
+    monkeypatch.setattr(engine, "_one", one)
+    engine._asleep = set()
+    engine._admission = Admission(freeze=None, thaw=None, abort=None, version=lambda: 0)
+    assert asyncio.run(engine.probe_logprobs([3, 4, 6])) == [-2.0, -3.0]
+    ((_, params),) = sent
+    assert params.max_tokens == 1 and params.prompt_logprobs == 0 and params.temperature == 0.0
+    assert params.output_kind == "final"
+    # Asleep (no KV cache), or with requests frozen inside vLLM (which
+    # schedules nothing new until resumed): no probe, and no request sent.
+    engine._asleep = {"kv_cache"}
+    assert asyncio.run(engine.probe_logprobs([3, 4, 6])) is None
+    engine._asleep = set()
+    engine._admission._frozen = True
+    assert asyncio.run(engine.probe_logprobs([3, 4, 6])) is None
+    assert len(sent) == 1

@@ -1,0 +1,160 @@
+"""The probe after every sync: before an engine serves the new weights, it
+computes the logprobs of a fixed short prompt (prompt logprobs of fixed
+token ids: deterministic, no sampling) and compares them with the trainer's,
+computed on the weights it sent. A mismatch beyond the tolerance aborts the
+sync on that engine (stale, or restored), naming both values.
+
+Trainer: `reference(model, ...)` -> `ProbeReference`, passed to the sender's
+`sync(..., probe=...)`, which hands it to each engine's commit
+(`finish_weight_sync(probe=...)`). Engine: `check` inside that commit, through
+the host's `probe_logprobs`. The sync's `SyncReport.probe` says what happened.
+A trainer that gives no reference (OpenRLHF's or vLLM's own calls, a
+hand-driven session) is not probed: the report and the engine's log say
+"skipped" (an engine cannot tell right weights from wrong ones on its own).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engines.weight_sync.errors import ProbeMismatchError
+
+#: Tokens in the probe prompt: 15 logprobs, one short forward pass.
+PROBE_LENGTH = 16
+#: Ids are spread over the vocabulary by this stride (a prime): different
+#: embedding rows, no tokenizer needed on either side.
+STRIDE = 7919
+
+
+@dataclass(frozen=True)
+class ProbeReference:
+    """The trainer's logprobs of `token_ids[1:]`, each given the ids before
+    it, and the mean absolute difference an engine may show."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    tolerance: float
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) < 2:
+            raise ValueError(f"a probe needs at least 2 tokens, got {len(self.token_ids)}")
+        if len(self.logprobs) != len(self.token_ids) - 1:
+            raise ValueError(
+                f"a probe of {len(self.token_ids)} tokens has {len(self.token_ids) - 1} "
+                f"logprobs, got {len(self.logprobs)}"
+            )
+        if not all(math.isfinite(x) for x in self.logprobs):
+            raise ValueError(f"the trainer's probe logprobs are not finite: {self.logprobs}")
+        if not self.tolerance > 0:
+            raise ValueError(f"tolerance must be positive, got {self.tolerance!r}")
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe did: "passed", "skipped" (no reference, or no way to
+    run it now: `note` says why) or "off" (`SyncConfig.probe=False`). A
+    failed probe raises `ProbeMismatchError` instead. Differences are mean
+    and max |engine - trainer| over the prompt; seconds are the slowest
+    engine's."""
+
+    status: Literal["passed", "skipped", "off"]
+    seconds: float = 0.0
+    mean_diff: float | None = None
+    max_diff: float | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "seconds": round(self.seconds, 6),
+            "mean_diff": self.mean_diff,
+            "max_diff": self.max_diff,
+            "note": self.note,
+        }
+
+
+def probe_tokens(vocab_size: int) -> tuple[int, ...]:
+    """The fixed probe prompt for a vocabulary of `vocab_size` usable ids."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be at least 2, got {vocab_size!r}")
+    return tuple((3 + i * STRIDE) % vocab_size for i in range(PROBE_LENGTH))
+
+
+def tolerance_for(dtype: Any) -> float:
+    """The mean |difference| allowed between the trainer's and an engine's
+    logprobs, from the dtype of the weights sent. float32: both sides run the
+    same weights and differ only in summation order (other kernels, batch
+    shapes, CPU vs GPU), ~1e-5 on our models; 1e-3 leaves room. 16-bit: each
+    op rounds to 8 (bf16) or 11 (fp16) mantissa bits and vLLM's kernels are
+    not the trainer's; the GPU suite sees means up to 0.007 and maxima up to
+    0.03 on its models, and bounds the mean at 0.06 over long samples;
+    over 15 positions the mean is noisier, so 0.1. A corrupted bucket moves
+    logprobs by whole units or makes them non-finite (always a failure)."""
+    return 1e-3 if "float32" in str(dtype) or "float64" in str(dtype) else 0.1
+
+
+def sequence_logprobs(model: Any, token_ids: tuple[int, ...] | list[int]) -> list[float]:
+    """Logprobs of `token_ids[1:]` under a transformers causal LM, in float32."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], device=device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
+
+
+def reference(model: Any, vocab_size: int, dtype: Any) -> ProbeReference:
+    """The trainer's side: the probe prompt's logprobs under `model` (the
+    weights being sent, or their master copy), with `dtype`'s tolerance."""
+    tokens = probe_tokens(vocab_size)
+    return ProbeReference(tokens, tuple(sequence_logprobs(model, tokens)), tolerance_for(dtype))
+
+
+async def check(host: Any, probe: ProbeReference, what: str) -> ProbeResult:
+    """Run the probe on the engine `host` (its `probe_logprobs`), compare with
+    the trainer's; raise `ProbeMismatchError` naming both beyond tolerance."""
+    started = time.monotonic()
+    got = await host.probe_logprobs(list(probe.token_ids))
+    seconds = time.monotonic() - started
+    if got is None:
+        return ProbeResult("skipped", seconds, note="the engine cannot run a request now")
+    if len(got) != len(probe.logprobs):
+        raise ProbeMismatchError(
+            f"{what}: the probe gave {len(got)} logprobs, the trainer {len(probe.logprobs)}"
+        )
+    diffs = [abs(g - r) for g, r in zip(got, probe.logprobs, strict=True)]
+    finite = all(math.isfinite(d) for d in diffs)
+    mean = sum(diffs) / len(diffs) if finite else math.inf
+    if not mean <= probe.tolerance:
+        worst = max(range(len(diffs)), key=lambda i: diffs[i] if math.isfinite(diffs[i]) else 1e300)
+        raise ProbeMismatchError(
+            f"{what}: the probe's logprobs differ from the trainer's: mean |difference| "
+            f"{mean:.4g} > tolerance {probe.tolerance:g}; worst at position {worst + 1}: "
+            f"engine {got[worst]:.4f}, trainer {probe.logprobs[worst]:.4f} "
+            f"(engine {_short(got)}, trainer {_short(probe.logprobs)})"
+        )
+    return ProbeResult("passed", seconds, mean_diff=mean, max_diff=max(diffs))
+
+
+def _short(values: Any) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in list(values)[:6]) + ", ...]"
+
+
+def combined(results: list[ProbeResult]) -> ProbeResult:
+    """One result for the engines of a sync: the slowest probe's seconds,
+    the largest differences; skipped if any engine skipped."""
+    if not results:
+        return ProbeResult("skipped", note="no engine committed")
+    skipped = [r for r in results if r.status != "passed"]
+    if skipped:
+        return ProbeResult("skipped", max(r.seconds for r in results), note=skipped[0].note)
+    return ProbeResult(
+        "passed",
+        max(r.seconds for r in results),
+        mean_diff=max(r.mean_diff or 0.0 for r in results),
+        max_diff=max(r.max_diff or 0.0 for r in results),
+    )

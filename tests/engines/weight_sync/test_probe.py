@@ -1,0 +1,203 @@
+"""The probe after every sync: the comparison itself (unit), and on a real
+CPU engine (local Ray, the tiny model) fed by the reference policy through
+the bucketed broadcast, with one bucket corrupted by a test hook that flips
+bits after packing (so the transfer's checksums agree with what was sent,
+and only the probe can tell)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+
+import pytest
+import ray
+import torch
+from policy_probes import ProbedPolicy
+
+from engines import RequestError, SamplingParams, create_vllm_engines, destroy_engines
+from engines.client import get
+from engines.weight_sync import Manifest, ProbeMismatchError, broadcast, sync_from_checkpoint
+from engines.weight_sync.buckets import plan_buckets
+from engines.weight_sync.probe import (
+    PROBE_LENGTH,
+    ProbeReference,
+    ProbeResult,
+    check,
+    combined,
+    probe_tokens,
+    tolerance_for,
+)
+from training.config import PolicyConfig
+
+REFERENCE = ProbeReference(tuple(range(1, 5)), (-1.0, -2.0, -3.0), tolerance=0.1)
+
+
+class Host:
+    """Stands in for an engine actor's `probe_logprobs`."""
+
+    def __init__(self, logprobs: list[float] | None):
+        self.logprobs = logprobs
+
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        return self.logprobs
+
+
+def probe(logprobs: list[float] | None) -> ProbeResult:
+    return asyncio.run(check(Host(logprobs), REFERENCE, "engine e, version 3"))
+
+
+def test_logprobs_within_the_tolerance_pass_with_their_differences():
+    result = probe([-1.05, -2.0, -2.95])
+    assert result.status == "passed"
+    assert result.mean_diff == pytest.approx(0.1 / 3) and result.max_diff == pytest.approx(0.05)
+
+
+def test_a_mismatch_names_both_values():
+    with pytest.raises(ProbeMismatchError) as error:
+        probe([-1.0, -7.5, -3.0])
+    message = str(error.value)
+    assert "engine e, version 3" in message and "tolerance 0.1" in message
+    assert "position 2: engine -7.5000, trainer -2.0000" in message
+
+
+def test_non_finite_logprobs_always_fail():
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ProbeMismatchError, match="mean \\|difference\\| inf"):
+            probe([-1.0, bad, -3.0])
+    with pytest.raises(ProbeMismatchError, match="gave 2 logprobs, the trainer 3"):
+        probe([-1.0, -2.0])
+
+
+def test_an_engine_that_cannot_run_a_request_now_skips_and_says_so():
+    result = probe(None)
+    assert result.status == "skipped" and "cannot run a request" in result.note
+    assert combined([ProbeResult("passed", 0.1, 0.0, 0.0), result]).status == "skipped"
+
+
+def test_a_bad_reference_is_refused_before_any_engine_sees_it():
+    with pytest.raises(ValueError, match="3 logprobs, got 2"):
+        ProbeReference((1, 2, 3, 4), (-1.0, -2.0), 0.1)
+    with pytest.raises(ValueError, match="not finite"):
+        ProbeReference((1, 2), (math.nan,), 0.1)
+    with pytest.raises(ValueError, match="positive"):
+        ProbeReference((1, 2), (-1.0,), 0.0)
+
+
+def test_the_prompt_is_fixed_and_inside_the_vocabulary():
+    tokens = probe_tokens(320)
+    assert tokens == probe_tokens(320) and len(tokens) == PROBE_LENGTH
+    assert all(0 <= t < 320 for t in tokens) and len(set(tokens)) == PROBE_LENGTH
+    assert tolerance_for(torch.float32) == 1e-3 and tolerance_for(torch.bfloat16) == 0.1
+
+
+# --- on a real engine -----------------------------------------------------------------------
+BUCKET_BYTES = 16 * 1024
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, ray_local_module):
+    engines = create_vllm_engines(
+        1, tiny_model, max_len=64, gpu_memory_utilization=0.5, backend="hf", name_prefix="probe"
+    )
+    ray.get([e.ready.remote() for e in engines], timeout=180)
+    policy = ProbedPolicy(
+        PolicyConfig(pretrain=tiny_model, bucket_bytes=BUCKET_BYTES, sync_timeout_s=20.0)
+    )
+    policy.init_weight_sync(engines)
+    yield engines, policy
+    policy.close()
+    destroy_engines(engines)
+
+
+@pytest.fixture
+def setup(cluster):
+    """The engine serving the policy's weights, the probe on."""
+    engines, policy = cluster
+    policy.init_weight_sync(engines)
+    policy.perturb(0.01, seed=policy.weight_version)
+    assert policy.sync_weights().probe.status == "passed"
+    return engines, policy
+
+
+def corrupt_bucket(monkeypatch, index: int, bit: int) -> list[int]:
+    """From now on, the trainer's `index`-th packed bucket of each sync gets
+    `bit` flipped in every float32 word, after packing (its checksum is
+    taken of what is sent). Returns the buckets corrupted, as they are."""
+    pack, counter, corrupted = broadcast.pack_bucket, itertools.count(), []
+    mask = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as a signed int32
+
+    def packing(bucket, tensors, out=None):
+        flat = pack(bucket, tensors, out=out)
+        if next(counter) == index:
+            words = flat[: flat.numel() // 4 * 4].view(torch.int32)
+            words.bitwise_xor_(torch.tensor(mask, dtype=torch.int32))
+            corrupted.append(index)
+        return flat
+
+    monkeypatch.setattr(broadcast, "pack_bucket", packing)
+    return corrupted
+
+
+def served(engine) -> bool:
+    try:
+        get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), 30)
+    except RequestError:
+        return False
+    return True
+
+
+def test_a_clean_sync_passes_the_probe_and_reports_it(setup):
+    engines, policy = setup
+    policy.perturb(0.01, seed=1)
+    report = policy.sync_weights()
+    assert report.probe.status == "passed" and report.probe.seconds > 0
+    # Same weights, same float32 code: only summation order differs.
+    assert report.probe.mean_diff < 1e-4
+    assert report.phases["probe_reference"] > 0
+    assert report.as_dict()["probe"]["status"] == "passed"
+
+
+def test_the_probe_catches_20_of_20_syncs_with_a_corrupted_bucket(setup, monkeypatch):
+    engines, policy = setup
+    engine = engines[0]
+    buckets = len(plan_buckets(Manifest.of(policy.named_weights()), BUCKET_BYTES).buckets)
+    assert buckets > 10  # so the 20 syncs corrupt many different buckets
+    caught = 0
+    for attempt in range(20):
+        served_version = get(engine.weight_status.remote(), 30).version
+        # The sign bit, or the exponent's top bit, of every word of one bucket.
+        corrupted = corrupt_bucket(monkeypatch, attempt * 7 % buckets, 31 if attempt % 2 else 30)
+        policy.perturb(0.01, seed=100 + attempt)
+        with pytest.raises(ProbeMismatchError, match="differ from the trainer's"):
+            policy.sync_weights()
+        assert corrupted, "the hook did not run"
+        status = get(engine.weight_status.remote(), 30)
+        assert status.stale and status.version == served_version
+        assert not served(engine)  # refused: nothing was served on those weights
+        caught += 1
+        monkeypatch.undo()
+    assert caught == 20
+    policy.perturb(0.01, seed=999)
+    assert policy.sync_weights().probe.status == "passed"
+    assert served(engine)
+
+
+def test_with_the_probe_off_the_same_corruption_is_served(setup, monkeypatch):
+    engines, policy = setup
+    policy.init_weight_sync(
+        engines, sync_config={"bucket_bytes": BUCKET_BYTES, "timeout_s": 20.0, "probe": False}
+    )
+    corrupt_bucket(monkeypatch, 0, 31)
+    policy.perturb(0.01, seed=7)
+    report = policy.sync_weights()
+    assert report.probe == ProbeResult("off")
+    assert served(engines[0])  # the checksums agree with what was sent
+
+
+def test_a_sync_without_a_reference_reports_the_probe_skipped(setup, tmp_path):
+    engines, policy = setup
+    policy.perturb(0.01, seed=3)
+    path = policy.save_checkpoint(str(tmp_path / "v"))
+    report = sync_from_checkpoint(engines, path)
+    assert report.probe.status == "skipped" and "no reference" in report.probe.note
