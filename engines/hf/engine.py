@@ -211,7 +211,13 @@ class HFEngine(RolloutEngine):
             ) from exc
 
     async def shutdown(self) -> None:
+        await self._stop_openai()
         self._loop.stop()
+
+    def _openai_app(self) -> Any:
+        from engines.hf.openai_app import build_app
+
+        return build_app(self)
 
     def _memory(self) -> dict[str, int]:
         device = self.worker.device
