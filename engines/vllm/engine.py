@@ -326,4 +326,5 @@ class VLLMEngine(RolloutEngine):
     async def shutdown(self) -> None:
         # Stops the engine-core process (and the Ray workers of TP>1), which
         # frees the GPU memory before the actor is killed.
+        await self._stop_openai()
         self.engine.shutdown()

@@ -10,11 +10,11 @@ What this module adds around vLLM's app:
   `generate` call does. So an HTTP request waits at the door while the engine
   is paused, is frozen, let finish or aborted by the pause modes, and holds a
   ticket that collects every weight version it ran under.
-- Weight versions: `WeightVersions`, an ASGI middleware, sets the response
-  header `X-Weight-Versions: 3,4` and, in a non-streaming JSON body of a
-  generation, `weight_versions` and (where `token_ids` were returned) each
-  choice's `token_versions`. A streamed response is sent before generation
-  ends: its header names the versions known when it starts.
+- Weight versions: `TokenVersions`, an ASGI middleware, hands each HTTP
+  request's versions to `engines.serving` (which writes `X-Weight-Versions`
+  and the body's `weight_versions`) and, in a non-streaming JSON body, gives
+  each choice that returned its `token_ids` its `token_versions`. A stream's
+  header is sent before generation ends: it names the versions known then.
 
 vLLM's modules are imported when the app is built, in the engine actor.
 """
@@ -31,12 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from engines.admission import Admission, Ticket
 from engines.errors import EngineSpecError
+from engines.serving import record_versions
 
 if TYPE_CHECKING:
     from engines.vllm.engine import VLLMEngine
 
-#: The response header naming the weight versions a request ran under.
-VERSIONS_HEADER = "x-weight-versions"
 #: A rollout engine generates; no pooling, transcription or render routes.
 SUPPORTED_TASKS = ("generate",)
 
@@ -144,15 +143,16 @@ class AdmittedClient:
             generation.changes.append((counts, versions[-1]))
 
 
-class WeightVersions:
-    """ASGI middleware: a record of each HTTP request's generations, and their
-    weight versions written into the response (see the module's doc).
-    `ready` is awaited before any request (vLLM's app state is built then)."""
+class TokenVersions:
+    """ASGI middleware: a record of each HTTP request's generations; their
+    weight versions go to `engines.serving` (`record_versions`: the header and
+    `weight_versions`), and each choice that returned its `token_ids` gets
+    `token_versions`. `ready` is awaited before any request (vLLM's app state
+    is built then)."""
 
-    def __init__(self, app: Any, *, ready: Callable[[], Any], served: Callable[[], int]):
+    def __init__(self, app: Any, *, ready: Callable[[], Any]):
         self.app = app
         self.ready = ready
-        self.served = served
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         await self.ready()
@@ -171,11 +171,11 @@ class WeightVersions:
             if start is not None and message["type"] == "http.response.body":
                 head, start = start, None
                 if not message.get("more_body") and _is_json(head):
-                    body = _with_versions(message.get("body", b""), request)
+                    body = _with_token_versions(message.get("body", b""), request)
                     message = {**message, "body": body}
-                    head = _set_header(head, "content-length", str(len(body)))
-                versions = request.versions() or [self.served()]
-                await send(_set_header(head, VERSIONS_HEADER, ",".join(map(str, versions))))
+                    head = _with_length(head, len(body))
+                record_versions(scope, request.versions())  # a stream: those known now
+                await send(head)
             await send(message)
 
         try:
@@ -189,26 +189,25 @@ def _is_json(start: dict) -> bool:
     return headers.get(b"content-type", b"").startswith(b"application/json")
 
 
-def _set_header(start: dict, name: str, value: str) -> dict:
-    key = name.encode()
-    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != key]
-    return {**start, "headers": [*headers, (key, value.encode())]}
+def _with_length(start: dict, length: int) -> dict:
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    return {**start, "headers": [*headers, (b"content-length", str(length).encode())]}
 
 
-def _with_versions(body: bytes, request: HttpRequest) -> bytes:
-    """A generation's JSON body with `weight_versions`, and `token_versions`
-    on each choice that returned its `token_ids`."""
+def _with_token_versions(body: bytes, request: HttpRequest) -> bytes:
+    """A generation's JSON body with `token_versions` on each choice that
+    returned its `token_ids`."""
     if not request.generations:
         return body
     try:
         payload = json.loads(body)
     except ValueError:
         return body
-    if not isinstance(payload, dict) or "choices" not in payload:
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list):
         return body  # an error, or not a generation
-    payload["weight_versions"] = request.versions()
     per_choice = request.token_versions()
-    for choice in payload["choices"]:
+    for choice in choices:
         index, token_ids = choice.get("index"), choice.get("token_ids")
         if token_ids is None or not isinstance(index, int) or index >= len(per_choice):
             continue
@@ -264,5 +263,5 @@ def openai_app(engine: VLLMEngine) -> tuple[Any, AdmittedClient]:
             init = asyncio.ensure_future(init_app_state(client, app.state, args, SUPPORTED_TASKS))
         await asyncio.shield(init)
 
-    app.add_middleware(WeightVersions, ready=ready, served=lambda: engine.weight_version)
+    app.add_middleware(TokenVersions, ready=ready)
     return app, client

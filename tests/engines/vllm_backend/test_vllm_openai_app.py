@@ -1,8 +1,9 @@
 """The vLLM backend's additions around vLLM's OpenAI app (engines/vllm/openai_app.py):
-HTTP generations go through the engine's admission, and responses name their
-weight versions. CI has no vLLM: a stand-in AsyncLLM generates, and a small
-FastAPI route calls `generate` as vLLM's serving classes do; the real app
-runs on the GPU (tests/gpu/test_gpu_openai.py)."""
+HTTP generations go through the engine's admission, and responses (served as
+engines/serving.py serves them) name their weight versions. CI has no vLLM:
+a stand-in AsyncLLM generates, and a small FastAPI route calls `generate` as
+vLLM's serving classes do; the real app runs on the GPU
+(tests/gpu/test_gpu_openai.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from fastapi.responses import StreamingResponse
 
 from engines.admission import Admission
 from engines.errors import EngineSleepingError
-from engines.vllm.openai_app import AdmittedClient, WeightVersions
+from engines.serving import ServingMiddleware
+from engines.vllm.openai_app import AdmittedClient, TokenVersions
 
 TIMEOUT_S = 10
 
@@ -126,12 +128,18 @@ def app_of(engine: Engine) -> FastAPI:
 
     ready = asyncio.Event()
     ready.set()
-    app.add_middleware(WeightVersions, ready=ready.wait, served=lambda: engine.version)
+    app.add_middleware(TokenVersions, ready=ready.wait)
     return app
 
 
-def http(app: FastAPI) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e0")
+def http(engine: Engine) -> httpx.AsyncClient:
+    """The app as engines/serving.py serves it (auth, versions reported)."""
+    served = ServingMiddleware(app_of(engine), "key", lambda: engine.version)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=served),
+        base_url="http://e0",
+        headers={"Authorization": "Bearer key"},
+    )
 
 
 async def until(predicate, what: str) -> None:
@@ -145,7 +153,7 @@ def test_a_request_frozen_across_a_sync_names_both_versions_and_each_tokens_vers
     async def main():
         llm = StandInLLM(n=2)
         engine = Engine(llm)
-        async with http(app_of(engine)) as client:
+        async with http(engine) as client:
             running = asyncio.ensure_future(
                 client.post("/chat", json={"id": "r1", "max_tokens": 5}, timeout=TIMEOUT_S)
             )
@@ -170,7 +178,7 @@ def test_a_batch_numbers_its_choices_in_prompt_order():
         llm = StandInLLM()
         engine = Engine(llm)
         batch = {"id": "b", "prompts": 2, "max_tokens": 2}
-        async with http(app_of(engine)) as client:
+        async with http(engine) as client:
             running = asyncio.ensure_future(
                 client.post("/completions", json=batch, timeout=TIMEOUT_S)
             )
@@ -192,7 +200,7 @@ def test_a_paused_engine_holds_http_requests_at_its_door():
         llm = StandInLLM()
         engine = Engine(llm)
         await engine.admission.close("keep")
-        async with http(app_of(engine)) as client:
+        async with http(engine) as client:
             running = asyncio.ensure_future(
                 client.post("/chat", json={"id": "r2", "max_tokens": 1}, timeout=TIMEOUT_S)
             )
@@ -215,7 +223,7 @@ def test_a_stream_and_a_route_without_generation_carry_the_header_and_an_unchang
         llm = StandInLLM()
         engine = Engine(llm)
         engine.version = 3
-        async with http(app_of(engine)) as client:
+        async with http(engine) as client:
             models = await client.get("/models", timeout=TIMEOUT_S)
             # httpx's ASGI transport returns once the whole stream is sent.
             streaming = asyncio.ensure_future(
