@@ -21,6 +21,7 @@ from engines.errors import (
     PromptTooLongError,
     RequestError,
 )
+from engines.openrlhf_agents import AgentApi
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.serving import OpenAIServer
@@ -117,9 +118,9 @@ def _token_ids(prompt: Any, i: int) -> list[int]:
     return list(prompt)
 
 
-class RolloutEngine(WeightApi, abc.ABC):
+class RolloutEngine(WeightApi, AgentApi, abc.ABC):
     """One rollout engine (all its tensor-parallel workers); its weight-sync
-    methods are `WeightApi`'s."""
+    methods are `WeightApi`'s, OpenRLHF's agent rollouts `AgentApi`'s."""
 
     backend: str = ""
     #: A `restart` in progress, or done (its outcome); `ready` waits for it.

@@ -81,6 +81,9 @@ class EngineSettings(Checked):
     tensor_parallel_size: Annotated[int, at_least(1)] = 1
     enable_prefix_caching: bool = False
     full_determinism: bool = Field(False, description="OpenRLHF's flag (vLLM backend).")
+    agent_func_path: str | None = Field(
+        None, description="OpenRLHF's agent file, run by `generate_responses` (None: single-turn)."
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Backend engine arguments (vLLM's EngineArgs names)."
     )

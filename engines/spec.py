@@ -22,6 +22,7 @@ from pydantic import ConfigDict, field_validator, model_validator
 
 from engines.config import EngineSettings, at_least
 from engines.errors import EngineSpecError
+from engines.openrlhf_agents import check_agent_func_path
 from engines.placement import Placement
 
 BACKENDS = ("auto", "vllm", "hf")
@@ -73,6 +74,14 @@ class EngineSetSpec(EngineSettings):
             raise EngineSpecError(f"pretrain must be a model path or hub id, got {pretrain!r}")
         check_pretrain(pretrain)
         return pretrain
+
+    @field_validator("agent_func_path")
+    @classmethod
+    def _agent_loads(cls, path: str | None) -> str | None:
+        if path is None:
+            return None
+        check_agent_func_path(path)
+        return os.path.abspath(path)  # the engine actors' working directory is Ray's
 
     @field_validator("backend", mode="before")
     @classmethod

@@ -294,6 +294,17 @@ def chat_message(message: p.ChatMessageParam) -> dict[str, Any]:
     data = message.model_dump(exclude_none=True)
     if isinstance(message.content, list):
         data["content"] = "".join(part.text for part in message.content)
+    for call in data.get("tool_calls", []):
+        # As vLLM (entrypoints/chat_utils.py): templates render arguments as
+        # an object (`| tojson`), so the JSON text goes back to one.
+        function = call.get("function", {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError as exc:
+                raise OpenAIError(
+                    f"a tool call's arguments are not JSON: {exc}", 400, "messages"
+                ) from exc
     return data
 
 

@@ -217,3 +217,25 @@ def test_bad_requests_get_vllms_errors_naming_the_field(api, post, path, body, s
     assert set(error) == {"message", "type", "param", "code"}
     # The engine still serves.
     assert api.completions.create(model=None, prompt="hi", max_tokens=2).choices
+
+
+def test_history_tool_calls_reach_the_template_as_objects_as_vllm_sends_them():
+    from engines.hf import openai_protocol as p
+    from engines.hf.openai_app import chat_message
+    from engines.hf.openai_errors import OpenAIError
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    said = p.ChatMessageParam(role="assistant", content=None, tool_calls=[call])
+    assert chat_message(said) == {
+        "role": "assistant",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+        ],
+    }
+    parts = p.ChatMessageParam(
+        role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    )
+    assert chat_message(parts) == {"role": "user", "content": "ab"}
+    bad = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not"}}
+    with pytest.raises(OpenAIError, match="arguments are not JSON"):
+        chat_message(p.ChatMessageParam(role="assistant", tool_calls=[bad]))
