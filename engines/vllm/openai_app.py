@@ -197,8 +197,8 @@ def _with_length(start: dict, length: int) -> dict:
 def _with_token_versions(body: bytes, request: HttpRequest) -> bytes:
     """A generation's JSON body with `token_versions` on each choice that
     returned its `token_ids`."""
-    if not request.generations:
-        return body
+    if not request.generations or b'"token_ids"' not in body:
+        return body  # nothing to add: no JSON round trip
     try:
         payload = json.loads(body)
     except ValueError:
