@@ -253,3 +253,20 @@ def test_an_engine_that_refuses_work_refuses_http_requests_and_lets_no_ticket_li
         assert engine.client.model_config == "the model config"  # the rest is the AsyncLLM's
 
     asyncio.run(main())
+
+
+def test_the_engine_counts_each_requests_tokens_before_vllm_steps_again():
+    from engines.vllm import VLLMEngine
+    from engines.vllm.core import CoreCalls
+
+    order: list[str] = []
+
+    async def resume_generation() -> None:
+        order.append("vLLM resumes")
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM to start
+    engine.engine = SimpleNamespace(errored=False, resume_generation=resume_generation)
+    engine._core = CoreCalls(engine.engine, "e0")
+    engine._http = SimpleNamespace(mark_versions=lambda: order.append("tokens counted"))
+    asyncio.run(engine._thaw())
+    assert order == ["tokens counted", "vLLM resumes"]
