@@ -15,7 +15,7 @@ import pytest
 from gpu_helpers import wait_gpus_released, wait_ready
 from waiting import wait_until
 
-from engines import create_vllm_engines, destroy_engines
+from engines import SamplingParams, create_vllm_engines, destroy_engines
 
 pytestmark = pytest.mark.gpu
 
@@ -92,8 +92,6 @@ def test_models_and_tokenize_are_vllms(api, post, gpu_model):
 def test_completions_from_token_ids_match_the_actor_and_return_their_ids(
     ray_gpu, engines, api, post
 ):
-    from engines import SamplingParams
-
     ids = post("/tokenize", {"prompt": "The quick brown fox"}).json()["tokens"]
     raw = api.completions.with_raw_response.create(
         model=None, prompt=ids, max_tokens=16, logprobs=2, **GREEDY
