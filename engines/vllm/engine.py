@@ -47,6 +47,7 @@ from engines.vllm.api import (
     worker_memory,
 )
 from engines.vllm.core import CoreCalls
+from engines.vllm.openai_app import AdmittedClient, openai_app
 from engines.vllm.startup_log import OwnLog, vllm_log_phases
 from engines.weight_sync.lora import adapter_versions
 
@@ -101,6 +102,8 @@ def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
 
 class VLLMEngine(RolloutEngine):
     backend = "vllm"
+    #: The OpenAI app's engine client, once `_openai_app` built it.
+    _http: AdmittedClient | None = None
 
     def __init__(
         self,
@@ -226,6 +229,12 @@ class VLLMEngine(RolloutEngine):
         # request (n>1 counts each sample) until its final output is out.
         return self.engine.output_processor.get_num_unfinished_requests()
 
+    def _openai_app(self) -> Any:
+        """vLLM's own OpenAI app on this engine's AsyncLLM (engines/vllm/openai_app.py).
+        Bound to the AsyncLLM it is built on: build it again after a `restart`."""
+        app, self._http = openai_app(self)
+        return app
+
     # --- control ------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:
         self._core.raise_if_dead()
@@ -333,6 +342,8 @@ class VLLMEngine(RolloutEngine):
         await self._core.call(self.engine.pause_generation(mode="keep"))
 
     async def _thaw(self) -> None:
+        if self._http is not None:  # before vLLM steps again: tokens sampled so far
+            self._http.mark_versions()
         await self._core.call(self.engine.resume_generation())
 
     async def _abort_requests(self) -> None:
@@ -355,4 +366,5 @@ class VLLMEngine(RolloutEngine):
     async def shutdown(self) -> None:
         # Stops the engine-core process (and the Ray workers of TP>1), which
         # frees the GPU memory before the actor is killed.
+        await self._stop_openai()
         self.engine.shutdown()

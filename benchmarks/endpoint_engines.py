@@ -1,0 +1,103 @@
+"""Engines serving the OpenAI endpoint, for the endpoint benchmarks
+(agent_replay.py, openai_vs_actor.py): vLLM engines on the GPU (several share
+one GPU when the host has one), or CPU engines with `--backend hf`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+#: The GPU suite's model: a random Llama of 0.28B parameters, byte-level vocabulary.
+MODEL_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16", init_std=0.02)
+READY_TIMEOUT_S = 900
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
+    parser.add_argument("--small", action="store_true", help="a small run (CPU, CI boxes)")
+    parser.add_argument("--model", help="default: the tiny model (hf) or a built 0.28B one (vllm)")
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
+    parser.add_argument("--json", help="also write the figures here")
+
+
+def model_path(args) -> str:
+    if args.model:
+        return args.model
+    if args.backend == "hf":
+        from engines.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    from engines.tiny_model import build_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), "bench-llama-0.28b")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path, **MODEL_SHAPE)
+    return path
+
+
+@dataclass
+class Served:
+    """Engines up, each serving its endpoint."""
+
+    engines: Any  # the EngineSet
+    urls: list[str]
+    model: str
+    placement_group: Any = None
+
+    @property
+    def api_key(self) -> str:
+        return self.engines.api_key
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        from engines import destroy_engines
+
+        destroy_engines(self.engines)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+
+
+def serve(args, count: int, *, prefix_caching: bool, name: str) -> Served:
+    """`count` engines of `args.backend` with the endpoint on; on a host with
+    one GPU they share it (a placement group of fractional bundles)."""
+    import ray
+
+    from engines import create_vllm_engines
+
+    ray.init(address="local", include_dashboard=False, namespace=name)
+    model = model_path(args)
+    kwargs: dict[str, Any] = {}
+    pg = None
+    if args.backend == "vllm":
+        import torch
+        from ray.util.placement_group import placement_group
+
+        share = torch.cuda.device_count() < count
+        if share:
+            pg = placement_group([{"GPU": 1 / count, "CPU": 1}] * count, strategy="PACK")
+            ray.get(pg.ready(), timeout=60)
+        kwargs = dict(
+            gpu_memory_utilization=0.8 / count if share else 0.6,
+            shared_pg=pg,
+            enforce_eager=args.eager,
+        )
+    start = time.monotonic()
+    engines = create_vllm_engines(
+        num_engines=count,
+        pretrain=model,
+        max_len=args.max_len,
+        backend=args.backend,
+        name_prefix=name,
+        enable_prefix_caching=prefix_caching,
+        openai_api=True,
+        **kwargs,
+    )
+    urls = ray.get([e.openai_url.remote() for e in engines], timeout=READY_TIMEOUT_S)
+    print(f"{count} {args.backend} engine(s) serving in {time.monotonic() - start:.0f}s: {urls}")
+    return Served(engines=engines, urls=urls, model=model, placement_group=pg)
