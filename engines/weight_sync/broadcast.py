@@ -164,8 +164,7 @@ class BroadcastSender:
                     )
 
     def bucket_plan(self, manifest: Manifest) -> tuple[BucketPlan, dict]:
-        """The buckets of `manifest` and their plain form, made again only
-        when the manifest or the bucket size changes."""
+        """The buckets of `manifest` and their plain form (made again on a new manifest or size)."""
         key = (manifest, self.config.bucket_bytes)
         if self._plan is None or self._plan[0] != key:
             plan = plan_buckets(manifest, self.config.bucket_bytes)
@@ -173,8 +172,7 @@ class BroadcastSender:
         return self._plan[1], self._plan[2]
 
     def _group_intact(self, begun: list[Begun]) -> bool:
-        """Our group is up and every engine worker still in it (from their answers
-        to begin): a failed sync tears groups down, another trainer may take engines."""
+        """Our group is up with every engine worker in it (their answers to begin)."""
         if self.group is None or not self.group.alive:
             logger.info("weight group is down: rebuilding it")
             return False

@@ -47,6 +47,7 @@ from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.coordinator import Coordinator, Phases, as_engine_list, trainer_weights
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
 from engines.weight_sync.manifest import dtype_name, torch_dtype
+from engines.weight_sync.probe import ProbeResult
 from engines.weight_sync.protocol import (
     Received,
     SenderOptions,
@@ -140,7 +141,9 @@ class LoraSender:
         handles = None if self._mapped else cuda_ipc.share(self._buffer)
         return cuda_ipc.dumps({"mapping": self._mapping, "handles": handles, "params": params})
 
-    def sync(self, weights: Any, version: int) -> SyncReport:
+    def sync(self, weights: Any, version: int, probe: Any = None) -> SyncReport:
+        # `probe` is not run: an adapter version is served from its commit
+        # on, after the point where the engines run the probe.
         if not self.engines:
             raise WeightSyncError("call init(engines) before sync")
         weights = trainer_weights(weights)
@@ -167,8 +170,9 @@ class LoraSender:
             coordinator.finish(version, wake=["kv_cache"] if wake else None)
             phases.done("finish")
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        skipped = ProbeResult("skipped", note="adapter syncs are not probed")
         return phases.report(
-            version, self.transport, len(self.engines), nbytes=nbytes, verified=False
+            version, self.transport, len(self.engines), nbytes=nbytes, verified=False, probe=skipped
         )
 
 

@@ -45,8 +45,7 @@ def unproven(model: Any, model_config: Any) -> str | None:
 
 
 class WorkerWeights:
-    """One worker's weight-sync state. `host` provides `_model()`, `device`,
-    `rank` (tensor-parallel rank) and, on vLLM, `model_config`."""
+    """One worker's weight-sync state; `host` has `_model()`, `device`, `rank`, `model_config`."""
 
     def __init__(self, host: Any):
         self.host = host
@@ -71,8 +70,7 @@ class WorkerWeights:
 
     # --- what this worker expects ------------------------------------------------------
     def is_vllm_model(self) -> bool:
-        # vLLM models take HF-named weights through `load_weights` (fusing
-        # qkv / gate_up and sharding for TP); transformers models have none.
+        # vLLM models load HF-named weights through `load_weights` (fusing, TP shards).
         return hasattr(self.model(), "load_weights")
 
     def expected_manifest(self) -> Manifest:
