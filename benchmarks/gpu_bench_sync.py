@@ -361,7 +361,9 @@ def print_table(results: dict) -> None:
             print(f"  every sync's total s: {totals}; median's phases {last['phases']}")
             print(f"  inside the engine (median sync): {last.get('engine_times', {})}")
             if last.get("probe"):
-                print(f"  probe: {last['probe']}; trainer's reference {last['reference_s']:.4f}s")
+                reference = last["reference_s"]
+                shown = "none" if reference is None else f"{reference:.4f}s"
+                print(f"  probe: {last['probe']}; trainer's reference {shown}")
         plain, probed = (steady(figures.get(k, {}).get("reports", [])) for k in IPC_SERIES)
         if plain and probed:
             added = probed["seconds"] / plain["seconds"] - 1

@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from engines.errors import RequestError
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.sampling import SamplingParams
 from engines.vllm import forkserver
@@ -80,7 +81,12 @@ def vllm_sampling_params(value: Any) -> Any:
         params = value.clone()
         # vLLM checks only at construction; fields assigned since (OpenRLHF's
         # executors set max_tokens per turn) are checked here, as ours are.
-        params._verify_args()
+        try:
+            params._verify_args()
+        except ValueError as exc:
+            # vLLM's VLLMValidationError does not unpickle in a driver
+            # without vLLM (Ray's RaySystemError instead): ours names the field too.
+            raise RequestError(str(exc)) from None
     else:
         # Our fields are vLLM's, by name and meaning.
         params = api.vllm.SamplingParams(**SamplingParams.coerce(value).model_dump())

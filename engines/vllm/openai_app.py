@@ -263,5 +263,6 @@ def openai_app(engine: VLLMEngine) -> tuple[Any, AdmittedClient]:
             init = asyncio.ensure_future(init_app_state(client, app.state, args, SUPPORTED_TASKS))
         await asyncio.shield(init)
 
-    app.add_middleware(TokenVersions, ready=ready)
-    return app, client
+    # Wrapped, not `app.add_middleware`: vLLM's build_app has built the
+    # middleware stack already, and Starlette refuses additions after that.
+    return TokenVersions(app, ready=ready), client

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engines.weight_sync import cuda_ipc
+from engines.weight_sync import ipc_handles as ipc
 from engines.weight_sync.adapter import (
     WEIGHTS_FILE,
     LoraSpec,
@@ -138,8 +138,8 @@ class LoraSender:
         torch.cat([t.reshape(-1) for _, t in weights], out=self._buffer)
         torch.cuda.synchronize(first.device)  # the engines read it from another process
         params = [[n, dtype_name(t.dtype), list(t.shape)] for n, t in weights]
-        handles = None if self._mapped else cuda_ipc.share(self._buffer)
-        return cuda_ipc.dumps({"mapping": self._mapping, "handles": handles, "params": params})
+        handles = None if self._mapped else ipc.share(self._buffer)
+        return ipc.dumps({"mapping": self._mapping, "handles": handles, "params": params})
 
     def sync(self, weights: Any, version: int, probe: Any = None) -> SyncReport:
         # `probe` is not run: an adapter version is served from its commit
@@ -314,12 +314,12 @@ def received_tensors(worker: WorkerWeights, via: str, payload: Any) -> dict[str,
         from safetensors.torch import load_file
 
         return load_file(str(Path(payload, WEIGHTS_FILE)), device=str(worker.device))
-    opened = cuda_ipc.loads(payload)
+    opened = ipc.loads(payload)
     held = worker.held.get("lora_ipc")
     if opened["handles"] is not None:
         held = worker.held["lora_ipc"] = (
             opened["mapping"],
-            cuda_ipc.open_shared(opened["handles"], worker.device.index),
+            ipc.open_shared(opened["handles"], worker.device.index),
         )
     elif held is None or held[0] != opened["mapping"]:
         raise WeightTransferError(

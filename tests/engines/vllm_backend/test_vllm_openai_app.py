@@ -128,8 +128,7 @@ def app_of(engine: Engine) -> FastAPI:
 
     ready = asyncio.Event()
     ready.set()
-    app.add_middleware(TokenVersions, ready=ready.wait)
-    return app
+    return TokenVersions(app, ready=ready.wait)
 
 
 def http(engine: Engine) -> httpx.AsyncClient:
