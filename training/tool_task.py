@@ -1,15 +1,17 @@
 """A tool-use task the tiny model learns on CPU, and its agent
 (`--agent training.tool_task:agent`).
 
-Every prompt is the same question ("Secret?"); the answer, a or b, taking
+Every prompt is the same question ("?"); the answer, a or b, taking
 turns across rows, is known only to the `lookup` tool. The model calls the
 tool by writing the call mark `@` in its reply (the shortest tool-call text a
 byte-level model can find by chance); the agent runs the tool and sends its
 result as an environment message (role "tool": the answer letter repeated),
-and the model answers. Reward: `CALL_BONUS` for calling the tool, plus the
-rest times the fraction of the answer's characters that are the right
-letter (call marks left out: a reply may still carry one). No call: 0, since
-the answer cannot be known without the tool.
+and the model answers. A reply without the call mark is the answer itself
+(a guess: the question does not tell). Reward: the rest after `CALL_BONUS`
+times the fraction of the answer's characters that are the right letter
+(call marks left out), plus `CALL_BONUS` when the model called the tool.
+Guessing scores 0.4 at best, calling then answering 1.0; the guess's score
+is what first teaches the model to answer with a letter at all.
 
 The agent reads the call from the reply's text itself, so the task needs no
 tool-call parser in the engine; the tool message carries a `tool_call_id`
@@ -29,12 +31,14 @@ from tasks.agents import AgentResult
 
 ALPHABET = "ab"
 DATA_SOURCE = "tool_task"
-QUESTION = "Secret?"
+QUESTION = "?"
 CALL_MARK = "@"
 #: The part of the reward for calling the tool: the first thing to learn.
 CALL_BONUS = 0.2
-#: How often the tool's result repeats the answer.
-RESULT_LENGTH = 8
+#: How often the tool's result repeats the answer: the tiny model learns to
+#: read a long one (8 letters among the template's text were not learned in
+#: 8 iterations; 32 were, measured with the agent forced to call).
+RESULT_LENGTH = 32
 #: Each reply: a few tokens, ending at a newline (the tiny model's chat
 #: template ends every message with one, so the history re-renders exactly).
 REPLY = {"max_tokens": 8, "temperature": 1.0, "stop": ["\n"], "logprobs": True}
@@ -82,7 +86,11 @@ async def agent(client: Any, row: dict[str, Any]) -> AgentResult:
     messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
     first = await reply(client, model, messages)
     if not calls_tool(first):
-        return AgentResult(0.0, {"called_tool": False})
+        score = score_answer(first, answer)
+        return AgentResult(
+            (1.0 - CALL_BONUS) * score,
+            {"called_tool": False, "answer": first, "answer_score": score},
+        )
     messages = [
         *messages,
         {"role": "assistant", "content": first},

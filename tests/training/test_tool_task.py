@@ -36,7 +36,7 @@ def run(replies: list[str], answer: str = "a"):
 def test_a_call_gets_the_tool_result_as_an_environment_message():
     result, client = run(["x@", "aab"])
     first, second = client.requests
-    assert first["messages"] == [{"role": "user", "content": "Secret?"}]
+    assert first["messages"] == [{"role": "user", "content": tool_task.QUESTION}]
     assert second["messages"][1:] == [
         {"role": "assistant", "content": "x@"},
         {"role": "tool", "tool_call_id": "lookup-0", "content": "a" * tool_task.RESULT_LENGTH},
@@ -46,9 +46,11 @@ def test_a_call_gets_the_tool_result_as_an_environment_message():
     assert result.info["called_tool"] and result.info["answer_score"] == 2 / 3
 
 
-def test_no_call_scores_nothing_and_a_right_answer_everything():
+def test_a_guess_scores_less_than_a_right_answer_after_the_tool():
     result, client = run(["aaaa"])
-    assert result.reward == 0.0 and len(client.requests) == 1
+    assert result.reward == 1 - tool_task.CALL_BONUS and len(client.requests) == 1
+    assert not result.info["called_tool"]
+    assert run(["bb"])[0].reward == 0.0
     assert run(["@", "@b b"], answer="b")[0].reward == 1.0
 
 
