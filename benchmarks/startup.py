@@ -1,16 +1,20 @@
-"""Engine start-up, ours against plain, side by side in one run (issue 16).
+"""Engine start-up, ours against plain, side by side in one run (issues 16, 34).
 
     python3 benchmarks/startup.py [--backend vllm|hf] [--model DIR] [--enforce-eager]
-                                  [--states cold,warm] [--replace] [--json out.json]
+                                  [--states cold,warm] [--pairs 3] [--replace] [--json out.json]
 
 vllm (GPU): plain `vllm.LLM(...)` in a fresh process, timed from its launch,
-  against `create_vllm_engines(num_engines=1, ...)` until `ready()`, same
-  model and settings (our actors' OMP_NUM_THREADS included); each side has
-  its own compile cache directory (`VLLM_CACHE_ROOT`), empty for "cold",
-  filled by the cold start for "warm".
-  Prints ours/plain per state, and the breakdown of both starts: ours from the
-  engine's `StartupReport` (Ray's part, imports, the vLLM engine) and vLLM's
-  own split read from its log lines, plus the first request.
+  in vLLM's default environment (as its users start it: no setting of ours;
+  a setting our actors need is ours to pay), against
+  `create_vllm_engines(num_engines=1, ...)` until `ready()`, same model and
+  engine arguments. Each start has its own compile cache directory
+  (`VLLM_CACHE_ROOT`): empty for "cold", filled by that side's first cold
+  start for "warm". The two sides alternate (plain first in even pairs, ours
+  first in odd ones), `--pairs` pairs per state; it prints each start, the
+  medians with their spread (min-max) and the ratio of the medians, and the
+  breakdown of each side's median start: ours from the engine's
+  `StartupReport` (Ray's part, imports, the vLLM engine), vLLM's own split
+  read from its log lines, plus the first request.
 hf (CPU): the same with our transformers engine against a fresh process that
   imports torch and transformers and loads the tokenizer and model.
 --replace: after the states, a set with one warm spare (when the cluster has
@@ -18,10 +22,10 @@ hf (CPU): the same with our transformers engine against a fresh process that
   its first answer; then kill only its engine (vLLM's engine-core process,
   SIGKILL; the CPU engine's generation thread) and time its restart in the
   live actor; then kill the actor and time a new engine on the warm cache.
-  Each line is also compared with the cold start.
+  Each line is also compared with the median cold start of ours.
 
 Every child process has a deadline (--child-timeout); the JSON (--json) is
-written after each step, so a run cut short keeps what it measured.
+written after each start, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="model directory (default: built once, shared)")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile/graphs")
     parser.add_argument("--states", default="cold,warm", help="cold, warm or both (cold,warm)")
+    parser.add_argument("--pairs", type=int, default=3, help="alternating pairs per state")
     parser.add_argument("--replace", action="store_true", help="also time replacements")
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -64,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not states or set(states) - {"cold", "warm"}:
         parser.error(f"--states takes cold, warm or cold,warm; got {args.states!r}")
     args.state_list = states
+    if args.pairs < 1:
+        parser.error(f"--pairs must be at least 1, got {args.pairs}")
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error(
             f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
@@ -103,7 +111,6 @@ def child_plain(args) -> dict:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         imported = time.time()
-        torch.set_num_threads(1)  # as our CPU engine actor (ROLLOUTFLOW_TORCH_THREADS)
         AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
         ready = time.time()
@@ -287,13 +294,9 @@ def child_replace(args) -> dict:
 
 # --- the parent -----------------------------------------------------------------------------
 def run_child(args, kind: str, cache: Path, log: Path) -> dict:
+    # Plain runs in the environment its users have; ours sets what its
+    # actors need through Ray (engines/env.py), and pays for it here.
     env = dict(os.environ, VLLM_CACHE_ROOT=str(cache), STARTUP_LAUNCHED=repr(time.time()))
-    if kind == "plain":
-        # The same settings as ours: our engine actors' thread count
-        # (engines/env.py), which moves vLLM's profiling phase by seconds.
-        from engines.env import torch_threads
-
-        env.update(OMP_NUM_THREADS=str(torch_threads()), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind, "--model", args.model]
     with open(log, "w") as out:
         try:
@@ -332,40 +335,65 @@ def default_model(args, work: Path) -> str:
     return str(build_tiny_model(work / "llama-0.28b", **MODEL_SHAPE))
 
 
-def print_side_by_side(state: str, plain: dict, ours: dict) -> None:
-    print(f"\n== {state} ==")
-    for side, r in (("plain", plain), ("ours", ours)):
-        if "error" in r:
-            print(f"{side}: {r['error']}")
-    if "error" in plain or "error" in ours:
-        return
-    ratio = ours["ready_s"] / plain["ready_s"]
-    with_first = (ours["ready_s"] + ours["first_request_s"]) / (
-        plain["ready_s"] + plain["first_request_s"]
-    )
-    print(f"{'':52}{'plain':>10}{'ours':>10}{'ours/plain':>12}")
-    print(
-        f"{'start to ready (s)':52}{plain['ready_s']:>10.1f}{ours['ready_s']:>10.1f}{ratio:>12.2f}"
-    )
-    print(
-        f"{'... and the first request answered (s)':52}"
-        f"{plain['ready_s'] + plain['first_request_s']:>10.1f}"
-        f"{ours['ready_s'] + ours['first_request_s']:>10.1f}{with_first:>12.2f}"
-    )
-    if "engine_core_start" in plain:
-        from engines.env import torch_threads
+def total_s(result: dict) -> float:
+    return result["ready_s"] + result["first_request_s"]
 
-        print(
-            f"vLLM's engine core started by: plain {plain['engine_core_start']}; "
-            f"ours {ours.get('engine_core_start')}; OMP_NUM_THREADS={torch_threads()} for both"
-        )
-    for side, r in (("plain", plain), ("ours", ours)):
-        print(f"-- {side} breakdown (s)")
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):8.1f}  ({min(values):.1f}-{max(values):.1f})"
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose ready time is the median (the lower one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r["ready_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def print_state(state: str, runs: dict[str, list[dict]]) -> float | None:
+    """Each start, the medians with their spread and the ratio of medians;
+    returns that ratio (None when a side has no successful start)."""
+    print(f"\n== {state}: {len(runs['plain'])} alternating pairs ==")
+    for side in ("plain", "ours"):
+        for i, r in enumerate(runs[side]):
+            shown = r["error"] if "error" in r else f"ready {r['ready_s']:.1f}s"
+            print(f"  {side} #{i}: {shown}")
+    good = {side: [r for r in runs[side] if "error" not in r] for side in runs}
+    if not good["plain"] or not good["ours"]:
+        return None
+    ready = {side: [r["ready_s"] for r in good[side]] for side in good}
+    total = {side: [total_s(r) for r in good[side]] for side in good}
+    ratio = statistics.median(ready["ours"]) / statistics.median(ready["plain"])
+    with_first = statistics.median(total["ours"]) / statistics.median(total["plain"])
+    print(f"{'median (min-max), s':44}{'plain':>22}{'ours':>22}{'ours/plain':>12}")
+    print(
+        f"{'start to ready':44}{spread(ready['plain']):>22}"
+        f"{spread(ready['ours']):>22}{ratio:>12.2f}"
+    )
+    print(
+        f"{'... and the first request answered':44}{spread(total['plain']):>22}"
+        f"{spread(total['ours']):>22}{with_first:>12.2f}"
+    )
+    for side in ("plain", "ours"):
+        r = median_run(good[side])
+        if "engine_core_start" in r:
+            print(f"-- {side}: vLLM's engine core started by {r['engine_core_start']}")
+        print(f"-- {side}: breakdown of its median start (s)")
         for name, seconds in r["phases"].items():
             print(f"   {name:62}{seconds:>8.2f}")
         for name, seconds in r.get("vllm_phases", {}).items():
             print(f"     vLLM: {name:56}{seconds:>8.2f}")
         print(f"   {'first request':62}{r['first_request_s']:>8.2f}")
+    return ratio
+
+
+def cache_for(cache_root: Path, side: str, state: str, pair: int) -> Path:
+    """Cold: an empty directory per start. Warm: the side's first cold
+    start's directory (filled here first when no cold start ran)."""
+    cache = cache_root / side / (f"cold-{pair}" if state == "cold" else "cold-0")
+    if state == "cold" and cache.exists():
+        raise SystemExit(f"{cache} exists: a cold start needs an empty cache directory")
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "enforce_eager": args.enforce_eager,
         "max_len": args.max_len,
+        "pairs": args.pairs,
         "states": {},
     }
 
@@ -391,35 +420,45 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(results, indent=2))
 
     print(f"model {args.model}; compile caches and logs under {work}", flush=True)
-    for state in args.state_list:
-        pair = {}
+    if "cold" not in args.state_list:
         for side in ("plain", "ours"):
-            cache = cache_root / side
-            if state == "cold" and cache.exists():
-                raise SystemExit(f"{cache} exists: a cold start needs an empty cache root")
-            cache.mkdir(parents=True, exist_ok=True)
-            log = work / f"{state}-{side}.log"
-            print(f"{state}: {side} ...", flush=True)
-            pair[side] = run_child(args, side, cache, log)
-            results["states"][state] = dict(pair)
-            save()
-        print_side_by_side(state, pair["plain"], pair["ours"])
-        if "error" not in pair["plain"] and "error" not in pair["ours"]:
-            results["states"][state]["ratio"] = pair["ours"]["ready_s"] / pair["plain"]["ready_s"]
+            print(f"filling {side}'s compile cache (not measured) ...", flush=True)
+            cache = cache_for(cache_root, side, "cold", 0)
+            run_child(args, side, cache, work / f"fill-{side}.log")
+    for state in args.state_list:
+        runs: dict[str, list[dict]] = {"plain": [], "ours": []}
+        results["states"][state] = runs
+        for pair in range(args.pairs):
+            order = ("plain", "ours") if pair % 2 == 0 else ("ours", "plain")
+            for side in order:
+                print(f"{state} pair {pair}: {side} ...", flush=True)
+                cache = cache_for(cache_root, side, state, pair)
+                log = work / f"{state}-{pair}-{side}.log"
+                runs[side].append(run_child(args, side, cache, log))
+                save()
+        results[f"{state}_ratio_of_medians"] = print_state(state, runs)
         save()
     if args.replace:
         print("replacement ...", flush=True)
-        replaced = run_child(args, "replace", cache_root / "ours", work / "replace.log")
+        replaced = run_child(args, "replace", cache_root / "ours" / "cold-0", work / "replace.log")
         results["replace"] = replaced
         save()
         print(f"\n== replacement ==\n{json.dumps(replaced, indent=2)}")
-        cold = results["states"].get("cold", {}).get("ours", {}).get("ready_s")
+        colds = [
+            r["ready_s"]
+            for r in results["states"].get("cold", {}).get("ours", [])
+            if "ready_s" in r
+        ]
+        cold = statistics.median(colds) if colds else None
         keys = ("spare_to_first_answer_s", "restart_to_first_answer_s")
         for key in (*keys, "new_engine_to_first_answer_s"):
             if cold and key in replaced:
-                print(f"{key}: {replaced[key]:.1f}s = {replaced[key] / cold:.2f} x our cold start")
+                print(
+                    f"{key}: {replaced[key]:.1f}s = "
+                    f"{replaced[key] / cold:.2f} x our median cold start"
+                )
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

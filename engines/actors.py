@@ -64,12 +64,24 @@ def actor_resources(backend: str, placement: EnginePlacement, tp: int) -> dict[s
     return {"num_cpus": share, "num_gpus": gpus}
 
 
+def node_cpus(placement: EnginePlacement, bundle: int) -> int:
+    """The CPUs of the node that holds `bundle` of the engines' placement group."""
+    from ray.util import placement_group_table
+
+    node = placement_group_table(placement.placement_group)["bundles_to_node_id"].get(bundle)
+    for info in ray.nodes():
+        if info["NodeID"] == node and info["Alive"]:
+            return max(1, int(info["Resources"].get("CPU", 1)))
+    return 1
+
+
 def actor_env(backend: str, placement: EnginePlacement, config: EngineConfig) -> dict[str, str]:
     fraction = None if placement.share == 1.0 else placement.share
     variables = env.actor_env_vars(
         backend,
         config.bundle_indices,
         fraction if config.tensor_parallel_size > 1 else None,
+        node_cpus(placement, config.bundle_indices[0]) if backend == "vllm" else 1,
     )
     if backend == "vllm" and config.tensor_parallel_size > 1:
         # The engine core's Ray executor joins this cluster. vLLM sets this

@@ -6,10 +6,12 @@ names translated into an `EngineSetSpec`.
 sleep mode and puts them to sleep once up (the call then waits for them);
 `full_determinism` sets OpenRLHF's `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the
 engines; `logprobs_mode` sets vLLM's, with `max_logprobs=1`;
-`gpu_memory_utilization=None` is vLLM's default. `agent_func_path`,
-`remote_rm_url` and `max_images_per_prompt` are refused: a clear error, not
-a silently different run. Ours beside them: `backend`, `spare_engines` and
-`colocate_trainer` (`engines.placement.PlacementMode`).
+`gpu_memory_utilization=None` is vLLM's default. `agent_func_path` is run
+as OpenRLHF runs it (`engines.openrlhf_agents`); `remote_rm_url` (unused by
+OpenRLHF beside an `agent_func_path`, where its CLI sets it to "agent") and
+`max_images_per_prompt` are refused: a clear error, not a silently different
+run. Ours beside them: `backend`, `spare_engines` and `colocate_trainer`
+(`engines.placement.PlacementMode`).
 """
 
 from __future__ import annotations
@@ -71,13 +73,8 @@ def create_vllm_engines(
 
 def check_unsupported(agent_func_path: Any, remote_rm_url: Any, max_images_per_prompt: Any) -> None:
     """OpenRLHF features the engines do not have."""
-    if agent_func_path is not None:
-        raise EngineSpecError(
-            f"agent_func_path={agent_func_path!r} is not supported: our engines run no "
-            "agent executor inside the actor; run the executor in your own process against "
-            "`engine.generate` (see docs/engines.md, OpenRLHF compatibility)"
-        )
-    if remote_rm_url is not None:
+    # OpenRLHF's engines hand remote_rm_url to their single-turn executor only.
+    if remote_rm_url is not None and agent_func_path is None:
         raise EngineSpecError(
             f"remote_rm_url={remote_rm_url!r} is not supported: engines compute no "
             "rewards; score the outputs in your trainer"

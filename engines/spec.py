@@ -22,6 +22,7 @@ from pydantic import ConfigDict, field_validator, model_validator
 
 from engines.config import EngineSettings, at_least
 from engines.errors import EngineSpecError
+from engines.openrlhf_agents import check_agent_func_path
 from engines.placement import Placement
 
 BACKENDS = ("auto", "vllm", "hf")
@@ -74,6 +75,14 @@ class EngineSetSpec(EngineSettings):
         check_pretrain(pretrain)
         return pretrain
 
+    @field_validator("agent_func_path")
+    @classmethod
+    def _agent_loads(cls, path: str | None) -> str | None:
+        if path is None:
+            return None
+        check_agent_func_path(path)
+        return os.path.abspath(path)  # the engine actors' working directory is Ray's
+
     @field_validator("backend", mode="before")
     @classmethod
     def _known_backend(cls, backend: Any) -> Any:
@@ -122,6 +131,7 @@ class EngineSetSpec(EngineSettings):
             kwargs["enable_sleep_mode"] = True
         if backend == "hf":
             check_hf_kwargs(kwargs)
+            check_hf_tool_parser(self.tool_call_parser)
         return kwargs
 
 
@@ -134,6 +144,15 @@ def check_hf_kwargs(kwargs: dict[str, Any]) -> None:
         raise EngineSpecError(
             f"logprobs_mode={mode!r} is not supported by backend 'hf'; use one of "
             f"{list(LOGPROBS_MODES)}"
+        )
+
+
+def check_hf_tool_parser(name: str | None) -> None:
+    from engines.hf.tool_parsers import TOOL_PARSERS
+
+    if name is not None and name not in TOOL_PARSERS:
+        raise EngineSpecError(
+            f"tool_call_parser={name!r} is not one of backend 'hf''s {sorted(TOOL_PARSERS)}"
         )
 
 

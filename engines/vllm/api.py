@@ -78,6 +78,9 @@ def vllm_sampling_params(value: Any) -> Any:
     api = vllm_api()
     if isinstance(value, api.vllm.SamplingParams):
         params = value.clone()
+        # vLLM checks only at construction; fields assigned since (OpenRLHF's
+        # executors set max_tokens per turn) are checked here, as ours are.
+        params._verify_args()
     else:
         # Our fields are vLLM's, by name and meaning.
         params = api.vllm.SamplingParams(**SamplingParams.coerce(value).model_dump())

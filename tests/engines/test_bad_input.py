@@ -39,7 +39,7 @@ def leftovers() -> tuple[list, list]:
         ({"max_len": None}, r"max_len \(OpenRLHF: max_model_len\) is required"),
         # OpenRLHF's keyword names (create_vllm_engines, v0.11.2)
         ({"max_model_len": 256}, "max_len=128 and max_model_len=256 name the same limit"),
-        ({"agent_func_path": "agent.py"}, "agent_func_path='agent.py' is not supported"),
+        ({"agent_func_path": "agent.py"}, "agent_func_path='agent.py' does not exist"),
         ({"remote_rm_url": "http://rm:5000"}, "remote_rm_url='http://rm:5000' is not supported"),
         ({"max_images_per_prompt": 2}, "max_images_per_prompt=2 is not supported"),
         ({"vllm_enable_sleep": True, "enable_sleep_mode": False}, "contradict each other"),

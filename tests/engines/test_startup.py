@@ -55,21 +55,29 @@ def test_tp2_engine_core_is_told_the_cluster(ray_local):
         bundle_indices=[0, 1],
         rpc_timeout_s=5,
     )
-    placement = EnginePlacement(
-        placement_group=None, bundles=[[0, 1]], uses_gpu=True, owns_group=True
-    )
-    variables = actor_env("vllm", placement, config)
-    assert variables[env.RAY_ADDRESS] == ray.get_runtime_context().gcs_address
-    tp1 = config.model_copy(update={"tensor_parallel_size": 1, "bundle_indices": [0]})
-    assert env.RAY_ADDRESS not in actor_env("vllm", placement, tp1)
+    group = ray.util.placement_group([{"CPU": 0.01}, {"CPU": 0.01}])
+    ray.get(group.ready(), timeout=60)
+    try:
+        placement = EnginePlacement(
+            placement_group=group, bundles=[[0, 1]], uses_gpu=True, owns_group=True
+        )
+        variables = actor_env("vllm", placement, config)
+        assert variables[env.RAY_ADDRESS] == ray.get_runtime_context().gcs_address
+        tp1 = config.model_copy(update={"tensor_parallel_size": 1, "bundle_indices": [0]})
+        assert env.RAY_ADDRESS not in actor_env("vllm", placement, tp1)
+        # vLLM's threads as plain vLLM has them (every core of the node), not Ray's 1.
+        assert variables["OMP_NUM_THREADS"] == str(int(ray.cluster_resources()["CPU"]))
+    finally:
+        ray.util.remove_placement_group(group)
 
 
 def test_tp1_engines_share_one_compile_cache_key():
     """vLLM keys its torch.compile cache by every VLLM_* variable it knows:
     engines of a set (and spares on other bundles) must not differ in one."""
-    first = env.actor_env_vars("vllm", [0], None)
-    other = env.actor_env_vars("vllm", [3], None)
+    first = env.actor_env_vars("vllm", [0], None, node_cpus=16)
+    other = env.actor_env_vars("vllm", [3], None, node_cpus=16)
     assert first == other
     assert env.VLLM_RAY_BUNDLE_INDICES not in first
     # TP>1: vLLM's Ray executor needs its bundles.
-    assert env.actor_env_vars("vllm", [2, 3], None)[env.VLLM_RAY_BUNDLE_INDICES] == "2,3"
+    tp2 = env.actor_env_vars("vllm", [2, 3], None, node_cpus=16)
+    assert tp2[env.VLLM_RAY_BUNDLE_INDICES] == "2,3"

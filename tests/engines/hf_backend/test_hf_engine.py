@@ -308,9 +308,9 @@ def test_unbounded_max_tokens_and_unknown_fields(engine):
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=["x"])
     params = SamplingParams()
-    params.max_tokens = 3  # mutable, as OpenRLHF's executors need
-    with pytest.raises(ValueError, match="max_tokens"):
-        params.max_tokens = 0  # and still validated
+    params.max_tokens = 0  # assignable, as vLLM's; checked by the request
+    with pytest.raises(RequestError, match="max_tokens must be at least 1"):
+        run(engine.generate(PROMPT, params))
     with pytest.raises(RequestError, match="max_logprobs=20"):
         run(engine.generate(PROMPT, SamplingParams(logprobs=21)))
 
