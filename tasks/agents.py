@@ -24,7 +24,7 @@ import asyncio
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,6 @@ class AgentSession:
     samples: list[TrajectorySample]
     reward: float
     info: dict[str, Any]
-    #: Each sample's response stream as text, for reading the rows.
-    texts: list[str] = field(default_factory=list)
 
 
 def load_agent(path: str) -> AgentFunction:
@@ -152,21 +150,21 @@ async def run_session(
 
 
 async def run_openrlhf_session(
-    plan: AgentPlan, engine: Any, row: dict[str, Any], session_id: str, tokenizer: Any
+    plan: AgentPlan, engine: Any, row: dict[str, Any], session_id: str
 ) -> AgentSession:
+    from transformers import AutoTokenizer
+
     from engines.openrlhf_agents import run_openrlhf_agent
 
-    rollout = await asyncio.wait_for(
-        run_openrlhf_agent(
-            engine,
-            prompt=row["prompt"],
-            label=row.get("label"),
-            sampling_params=plan.sampling.model_copy(),
-            max_length=plan.max_length,
-            agent_func_path=plan.func_path,
-            tokenizer=tokenizer,
-        ),
-        plan.timeout_s,
+    rollout = await run_openrlhf_agent(
+        engine,
+        prompt=row["prompt"],
+        label=row.get("label"),
+        sampling_params=plan.sampling.model_copy(),
+        max_length=plan.max_length,
+        agent_func_path=plan.func_path,
+        tokenizer=AutoTokenizer.from_pretrained(plan.model),
+        timeout_s=plan.timeout_s,
     )
     return AgentSession(session_id, [rollout.sample], float(rollout.reward), dict(rollout.info))
 
@@ -177,20 +175,14 @@ def run_prompt(
 ) -> list[AgentSession]:
     """A prompt's sessions, concurrently (in a Ray task: the dispatch waits
     on one ref per prompt, and an agent's blocking code stalls no flow thread)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(plan.model)
     agent = load_agent(plan.agent) if plan.agent is not None else None
 
     async def one(session_id: str) -> AgentSession:
         if agent is None:
-            return await run_openrlhf_session(plan, engine, row, session_id, tokenizer)
+            return await run_openrlhf_session(plan, engine, row, session_id)
         return await run_session(agent, plan, row, session_id)
 
     async def sessions() -> list[AgentSession]:
         return list(await asyncio.gather(*(one(s) for s in session_ids)))
 
-    return [
-        replace(done, texts=[tokenizer.decode(s.response_token_ids) for s in done.samples])
-        for done in asyncio.run(sessions())
-    ]
+    return asyncio.run(sessions())

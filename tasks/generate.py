@@ -290,11 +290,15 @@ class AgentWriter(ShardWriter):
         return refs
 
     def rows_of(self, shard: Shard, results: list) -> list[dict[str, Any]]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.plan.agent.model)
         rows = []
         for i, sessions in zip(range(shard.start, shard.stop), results, strict=True):
             record = self.prompts.records[i]
             for k, session in enumerate(sessions):
-                for sample, text in zip(session.samples, session.texts, strict=True):
+                for sample in session.samples:
+                    text = tokenizer.decode(sample.response_token_ids)
                     row = trajectory_row(
                         sample,
                         iteration=self.plan.iteration,
