@@ -22,13 +22,15 @@ TOOL_TASK = {
     "n": 8,
 }
 
-#: An OpenRLHF agent file: one step, rewarded for answering "a".
+#: An OpenRLHF agent file (as its examples/python/agent_func.py): one step,
+#: rewarded for answering "a" (OpenRLHF takes tensors).
 OPENRLHF_AGENT = """
+import torch
 from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
 
 class AgentInstance(AgentInstanceBase):
-    async def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):
         pass
 
     async def reset(self, states: dict, **kwargs):
@@ -36,7 +38,7 @@ class AgentInstance(AgentInstanceBase):
 
     async def step(self, states: dict, **kwargs):
         action = states["action_text"]
-        reward = sum(ch == "a" for ch in action) / max(1, len(action))
+        reward = torch.tensor(sum(ch == "a" for ch in action) / max(1, len(action)))
         return {
             "rewards": reward,
             "scores": reward,
@@ -89,7 +91,7 @@ def test_an_openrlhf_agent_file_runs_in_the_flow(ray_local, tiny_model, tmp_path
     state = rollout(params, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    assert [step.version for step in summary.training] == [1, 2]
+    assert [step.weight_version for step in summary.training] == [1, 2]
     rows = read_rows(tmp_path / summary.run_id / "iter-001")
     assert len(rows) == 32 * 4
     assert all(row["loss_mask"] and row["turns"][0]["role"] == "assistant" for row in rows)
