@@ -9,7 +9,7 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect-home
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv run run-agent test lint bench clean
 
 # One stamp per set of packages: `make run` installs what a run needs, once;
 # `make test` adds the test extras on top, once, without reinstalling the rest.
@@ -41,6 +41,11 @@ venv: $(RUN_STAMP)
 
 run: $(RUN_STAMP)
 	$(BIN)/rolloutflow $(ARGS)
+
+# The tool task (docs/agents.md): an agent calls a tool through the engines' OpenAI API.
+run-agent: $(RUN_STAMP)
+	$(BIN)/rolloutflow --agent training.tool_task:agent --prompts-path data/tool_task.jsonl \
+		--label-field answer --id-field id $(ARGS)
 
 # ruff comes with the dev extra.
 lint: $(TEST_STAMP)

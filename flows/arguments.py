@@ -164,15 +164,21 @@ def describe_errors(exc: ValidationError, flags: set[str], config: Path | None) 
     return "error: invalid parameters\n" + "\n".join(lines)
 
 
+def preset_for(given: dict[str, Any]) -> dict[str, Any]:
+    """The demo preset under `given`; an agent run's reward is its agent's,
+    so the preset's reward stays out."""
+    training = given.get("training", {})
+    if not (training.get("agent") or training.get("agent_func_path")):
+        return DEMO_PRESET
+    return {**DEMO_PRESET, "training": {**DEMO_PRESET["training"], "reward": None}}
+
+
 def parse_params(argv: list[str] | None = None) -> RolloutParams:
     args = build_parser().parse_args(argv)
     config = load_config(args.config) if args.config else {}
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "plain") and v is not None}
-    values = merged(
-        {} if args.plain else DEMO_PRESET,
-        config,
-        sectioned({k: flag_value(k, v) for k, v in flags.items()}),
-    )
+    given = merged(config, sectioned({k: flag_value(k, v) for k, v in flags.items()}))
+    values = merged({} if args.plain else preset_for(given), given)
     data = values.get("data", {})
     if "prompts_path" not in data and not Path(DataParams().prompts_path).exists():
         # The installed command, away from a checkout: the packaged demo prompts.

@@ -19,6 +19,7 @@ from engines.weight_sync import SyncReport
 from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
+from tasks.agents import AgentPlan
 from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
 from tasks.run.loggers import MetricsLogger
 from tasks.run.pool import EnginePool
@@ -78,6 +79,7 @@ def run_iterations(
     policy_up: PrefectConcurrentFuture | None,
     scorer: Any,
     ledger: Ledger,
+    agent: AgentPlan | None = None,
 ) -> None:
     """Generate (-> train -> sync) every iteration, as the run's schedule
     interleaves them (flows/schedule.py decides, this submits): Prefect task
@@ -85,7 +87,8 @@ def run_iterations(
 
     `policy_up`: on an on-policy run, the future of the policy's start-up
     (its handle). Generation does not wait for it; training waits, and the
-    first sync connects the policy to the engines."""
+    first sync connects the policy to the engines. `agent`: an agent run's
+    sessions (tasks/agents.py)."""
     logger = get_run_logger()
     training = params.training
     pipeline = Pipeline(
@@ -118,7 +121,7 @@ def run_iterations(
             running[future] = ("train", i)
         while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
             pipeline.generation_started(i, now)
-            plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None)
+            plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None, agent=agent)
             bar = progress.iteration(i, len(prompts) * params.sampling.n)
             running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)
         future = first_done(list(running))
@@ -165,7 +168,12 @@ def first_done(futures: list[PrefectConcurrentFuture]) -> PrefectConcurrentFutur
 
 
 def generation_plan(
-    params: RolloutParams, run_dir: Path, iteration: int, *, on_policy: bool = False
+    params: RolloutParams,
+    run_dir: Path,
+    iteration: int,
+    *,
+    on_policy: bool = False,
+    agent: AgentPlan | None = None,
 ) -> GenerationPlan:
     sampling = params.sampling.request()
     if on_policy and sampling.logprobs is None:
@@ -180,4 +188,5 @@ def generation_plan(
         output=params.output,
         cluster=params.cluster,
         reward_timeout_s=params.training.reward_timeout_s,
+        agent=agent,
     )

@@ -181,6 +181,32 @@ class TrainingParams(BaseModel):
         le=100_000,
         description="Rounds of generate (-> train -> weight sync). 1: a plain rollout job.",
     )
+    agent: str | None = Field(
+        None,
+        description="Agent function, 'module:function' or 'file.py:function': async "
+        "agent(client: openai.AsyncOpenAI, row: dict) -> AgentResult (or (reward, info)). "
+        "Each of a prompt's n samples is a session of its own on the run's router; the "
+        "engines serve the OpenAI API. Its reward replaces --reward.",
+        examples=["training.tool_task:agent"],
+    )
+    agent_func_path: str | None = Field(
+        None,
+        description="OpenRLHF's agent file (AgentInstanceBase with reset/step), run as "
+        "OpenRLHF runs it; its reward replaces --reward.",
+    )
+    agent_timeout_s: float = Field(
+        120.0, gt=0.0, le=86_400.0, description="Deadline of one agent session."
+    )
+
+    @model_validator(mode="after")
+    def _one_reward(self) -> TrainingParams:
+        given = [name for name in ("reward", "agent", "agent_func_path") if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(
+                f"{' and '.join(given)} both give the reward: set one of reward, agent, "
+                "agent_func_path"
+            )
+        return self
 
     @model_validator(mode="after")
     def _staleness(self) -> TrainingParams:
@@ -197,9 +223,14 @@ class TrainingParams(BaseModel):
         return self
 
     @property
+    def agentic(self) -> bool:
+        """Samples are agent sessions (the agent gives the reward)."""
+        return bool(self.agent or self.agent_func_path)
+
+    @property
     def on_policy(self) -> bool:
         """A policy trains on the rollouts (and its weights go to the engines)."""
-        return bool(self.reward) and self.train
+        return bool(self.reward or self.agentic) and self.train
 
     @property
     def staleness_bound(self) -> int:

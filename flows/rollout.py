@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from engines.weight_sync import transport_for
 from flows.hooks import sweep_engines
 from flows.iterations import Ledger, run_iterations
 from flows.params import RolloutParams
+from tasks.agents import AgentPlan, check_func_path, load_agent
 from tasks.cluster import Cluster, provision_cluster
 from tasks.engines import (
     EarlyEngines,
@@ -52,8 +53,7 @@ from tasks.run.shards import prepare_run_dir, set_aside_iterations, write_atomic
 from tasks.train import wait_for_policy
 from training.config import PolicyConfig
 from training.policy import create_policy_actor
-from training.rewards import absolute as reward_path
-from training.rewards import load_reward, start_reward_scorer
+from training.rewards import absolute, load_reward, start_reward_scorer
 
 SUMMARY_FILE = "summary.json"
 
@@ -98,18 +98,25 @@ def check_settings(params: RolloutParams) -> None:
     params.sampling.request()
     if params.training.reward:
         load_reward(params.training.reward, params.training.reward_style)
+    if params.training.agent:
+        load_agent(params.training.agent)
+    if params.training.agent_func_path:
+        check_func_path(params.training.agent_func_path)
     check_logger(params.output.logger)
 
 
 def engine_set(params: RolloutParams, model: str, backend: str) -> EngineSetSpec:
     """The engines a run of `params` starts (the flow, or the CLI early)."""
     with_trainer = params.training.colocate
+    # An agent's sessions reach the engines over HTTP, through the router.
+    served = {"openai_api": True} if params.training.agent else {}
     return engine_spec(
         params.engines,
         pretrain=model,
         backend=backend,
         seed=params.sampling.seed,
         placement=Placement(PlacementMode.WITH_TRAINER) if with_trainer else Placement(),
+        **served,
     )
 
 
@@ -124,6 +131,35 @@ class SideActors:
     policy: Any = None
     policy_up: Any = None
     scorer: Any = None
+    #: An agent run's router in front of the engines (engines/router.py).
+    router: Any = None
+
+    def agent_plan(self, pool: EnginePool) -> AgentPlan | None:
+        """An agent run's sessions: `--agent` through a router started here
+        on the ready engines, `--agent-func-path` on the engines directly."""
+        training = self.params.training
+        if not training.agentic:
+            return None
+        plan = AgentPlan(
+            agent=absolute(training.agent) if training.agent else None,
+            func_path=check_func_path(training.agent_func_path)
+            if training.agent_func_path
+            else None,
+            timeout_s=training.agent_timeout_s,
+            model=self.model,
+            sampling=self.params.sampling.request().model_copy(update={"n": 1}),
+            max_length=self.params.engines.max_len,
+        )
+        if training.agent:
+            # Imported here: only agent runs serve HTTP (fastapi, uvicorn).
+            from engines.router import start_router
+
+            api_key = pool.engines.api_key
+            self.router = start_router(list(pool.engines), api_key, routing="sticky")
+            plan = replace(
+                plan, router_url=self.router.url, api_key=api_key, router=self.router.actor
+            )
+        return plan
 
     def start_policy(self, pool: EnginePool, backend: str) -> None:
         """The policy goes beside the engines on their GPU (colocate), else
@@ -199,6 +235,8 @@ def rollout(
         if ledger.metrics_logger is not None:
             ledger.metrics_logger.close()
         try:
+            if side.router is not None:
+                side.router.close()
             if side.scorer is not None:
                 ray.kill(side.scorer, no_restart=True)
             if pool is not None:
@@ -235,7 +273,7 @@ def start_and_iterate(
         side.start_policy(pool, cluster.backend)
     if params.training.reward:
         side.scorer = start_reward_scorer(
-            reward_path(params.training.reward),
+            absolute(params.training.reward),
             params.training.reward_style,
             name=side.scope.reward_name,
             namespace=side.scope.namespace,
@@ -245,10 +283,11 @@ def start_and_iterate(
     )
     if on_policy and colocate:
         side.start_policy(pool, cluster.backend)
+    agent = side.agent_plan(pool)
     looped = time.monotonic()
     with RunProgress() as progress:
         run_iterations(
-            params, run_dir, pool, prompts, progress, side.policy_up, side.scorer, ledger
+            params, run_dir, pool, prompts, progress, side.policy_up, side.scorer, ledger, agent
         )
     return time.monotonic() - looped
 
@@ -319,6 +358,8 @@ def manifest(params: RolloutParams, prompts: Prompts, model: str) -> dict:
         "shard_size": params.output.shard_size,
         "output_format": params.output.output_format,
         "reward": params.training.reward,
+        "agent": params.training.agent,
+        "agent_func_path": params.training.agent_func_path,
         "reward_style": params.training.reward_style,
         "train": params.training.train,
         "learning_rate": params.training.learning_rate,

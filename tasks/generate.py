@@ -5,6 +5,7 @@ written, so its rows carry their reward and the advantage the policy uses."""
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,14 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import SamplingParams
 from engines.client import get
+from tasks.agents import AgentPlan, run_prompt
 from tasks.engines import retry_on_engine_failure, wait_ready
 from tasks.run.dispatch import run_shards
 from tasks.run.params import ClusterParams, OutputParams
 from tasks.run.pool import EnginePool
 from tasks.run.progress import IterationProgress
 from tasks.run.prompts import PromptRecord, Prompts
-from tasks.run.records import request_seed, rows_for, with_input
+from tasks.run.records import request_seed, rows_for, trajectory_row, with_input
 from tasks.run.shards import Shard, ShardStore, plan_shards
 from training.grpo import group_advantages
 from training.rewards import RewardInput, score_remote
@@ -39,6 +41,8 @@ class GenerationPlan:
     cluster: ClusterParams
     #: Deadline for the reward on one shard.
     reward_timeout_s: float = 300.0
+    #: An agent run: each prompt's `n` samples are agent sessions.
+    agent: AgentPlan | None = None
 
     @property
     def directory(self) -> Path:
@@ -108,7 +112,8 @@ class ShardWriter:
             for i in range(shard.start, shard.stop)
         ]
 
-    def on_done(self, shard: Shard, engine: int, results: list, seconds: float) -> None:
+    def rows_of(self, shard: Shard, results: list) -> list[dict[str, Any]]:
+        """A finished shard's rows, scored when the run has a reward."""
         plan = self.plan
         rows, inputs = [], []
         for i, output in zip(range(shard.start, shard.stop), results, strict=True):
@@ -127,6 +132,11 @@ class ShardWriter:
             started = time.monotonic()
             add_rewards(rows, inputs, self.scorer, plan.reward_timeout_s)
             self.reward_seconds += time.monotonic() - started
+        return rows
+
+    def on_done(self, shard: Shard, engine: int, results: list, seconds: float) -> None:
+        plan = self.plan
+        rows = self.rows_of(shard, results)
         self.store.write(shard, rows)
         tokens = sum(len(row["response_token_ids"]) for row in rows)
         stats = self.pool.stats[engine]
@@ -188,7 +198,8 @@ def generate_rollouts(
     store.remove_partial_files()
     shards = plan_shards(len(prompts), plan.output.shard_size)
     todo = [shard for shard in shards if not store.is_done(shard)]
-    writer = ShardWriter(pool, prompts, plan, store, progress, scorer, total=len(shards))
+    kind = ShardWriter if plan.agent is None else AgentWriter
+    writer = kind(pool, prompts, plan, store, progress, scorer, total=len(shards))
     writer.done = len(shards) - len(todo)
     if writer.done:
         get_run_logger().info(
@@ -239,16 +250,68 @@ def add_rewards(
         )
         for row, record in zip(rows, inputs, strict=True)
     ]
-    rewards = score_remote(scorer, samples, timeout_s)
-    groups: dict[int, list[int]] = {}
-    for position, (row, reward) in enumerate(zip(rows, rewards, strict=True)):
+    for row, reward in zip(rows, score_remote(scorer, samples, timeout_s), strict=True):
         row["reward"] = reward
+    add_advantages(rows)
+
+
+def add_advantages(rows: list[dict[str, Any]]) -> None:
+    """Each row's advantage within its prompt's group, as the policy step computes it."""
+    groups: dict[int, list[int]] = {}
+    for position, row in enumerate(rows):
         groups.setdefault(row["prompt_index"], []).append(position)
     for positions in groups.values():
         positions.sort(key=lambda p: rows[p]["sample_index"])
         advantages = group_advantages([rows[p]["reward"] for p in positions])
         for p, advantage in zip(positions, advantages, strict=True):
             rows[p]["advantage"] = advantage
+
+
+class AgentWriter(ShardWriter):
+    """An agent run's shards: each prompt's `n` sessions run in one Ray task
+    (tasks/agents.py); every sample a session made is a row carrying the
+    session's reward. A session the router split gives one row per piece,
+    each with the whole session's reward (the agent scores the session, not
+    a piece), so it weighs in its prompt's group once per piece."""
+
+    def submit(self, engine: int, shard: Shard) -> list:
+        handle = self.pool.engines[engine]
+        refs = []
+        for i in range(shard.start, shard.stop):
+            record = self.prompts.records[i]
+            row = {"id": record.id, "prompt": record.prompt, "label": record.label}
+            sessions = [
+                f"i{self.plan.iteration}-p{i}-s{k}-{uuid.uuid4().hex[:8]}"
+                for k in range(self.plan.sampling.n)
+            ]
+            refs.append(
+                run_prompt.remote(self.plan.agent, handle, {**row, **record.metadata}, sessions)
+            )
+        return refs
+
+    def rows_of(self, shard: Shard, results: list) -> list[dict[str, Any]]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.plan.agent.model)
+        rows = []
+        for i, sessions in zip(range(shard.start, shard.stop), results, strict=True):
+            record = self.prompts.records[i]
+            for k, session in enumerate(sessions):
+                for sample in session.samples:
+                    text = tokenizer.decode(sample.response_token_ids)
+                    row = trajectory_row(
+                        sample,
+                        iteration=self.plan.iteration,
+                        prompt_index=i,
+                        sample_index=k,
+                        prompt=record.prompt,
+                        response=text,
+                        session_id=session.session_id,
+                        seed=self.seed_of(i),
+                    )
+                    rows.append(with_input({**row, "reward": session.reward}, record))
+        add_advantages(rows)
+        return rows
 
 
 def restarts(pool: EnginePool) -> int:

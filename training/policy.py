@@ -21,7 +21,7 @@ from training.grpo import (
     token_logprobs,
     truncated_is_weights,
 )
-from training.rollouts import RolloutGroup, StaleRolloutError
+from training.rollouts import RolloutGroup, RolloutSample, StaleRolloutError
 from training.trainer import StepReport, Trainer
 
 logger = logging.getLogger(__name__)
@@ -167,11 +167,11 @@ class ReferencePolicy(Trainer):
             samples += group.samples
             advantages += group_advantages(group.rewards)
         rewards = [r for g in groups for r in g.rewards]
-        staleness = [self.weight_version - s.weight_version for s in samples]
+        staleness = [self.weight_version - s.oldest_version for s in samples]
         trained = [
             (s, a)
             for s, a in zip(samples, advantages, strict=True)
-            if a != 0.0 and s.completion_token_ids
+            if a != 0.0 and s.sampled_tokens
         ]
         loss_value, grad_norm = 0.0, 0.0
         off_policy = OffPolicyStats()
@@ -182,19 +182,10 @@ class ReferencePolicy(Trainer):
             # accumulated over micro-batches: activations for one at a time.
             for batch in micro_batches(sequences, self.config.micro_batch_tokens):
                 per_seq = token_logprobs(self.model, [sequences[i] for i in batch], self.pad_id)
-                losses = []
-                for i, logprobs in zip(batch, per_seq, strict=True):
-                    sample, advantage = trained[i]
-                    new = logprobs[len(sample.prompt_token_ids) - 1 :]
-                    proximal = new.detach()
-                    weight = None
-                    if sample.logprobs is not None:
-                        behaviour = torch.tensor(sample.logprobs, device=new.device)
-                        weight = truncated_is_weights(proximal, behaviour, self.config.tis_cap)
-                        off_policy.add(proximal, behaviour, weight, self.config.tis_cap)
-                    losses.append(
-                        clipped_loss(new, proximal, advantage, self.config.clip_eps, weight)
-                    )
+                losses = [
+                    self._sample_loss(*trained[i], logprobs, off_policy)
+                    for i, logprobs in zip(batch, per_seq, strict=True)
+                ]
                 loss = torch.stack(losses).sum() / len(trained)
                 loss.backward()
                 loss_value += float(loss.detach())
@@ -219,8 +210,28 @@ class ReferencePolicy(Trainer):
             **off_policy.report(),
         )
 
+    def _sample_loss(
+        self, sample: RolloutSample, advantage: float, logprobs: Any, off_policy: OffPolicyStats
+    ) -> Any:
+        """One sample's clipped loss over its sampled tokens only: the
+        response stream's environment and template tokens (loss mask 0) are
+        context for the forward, with no loss, no importance weight and no
+        share of the mean."""
+        import torch
+
+        new = logprobs[len(sample.prompt_token_ids) - 1 :]
+        keep = torch.tensor(sample.mask, dtype=torch.bool, device=new.device)
+        new = new[keep]
+        proximal = new.detach()
+        weight = None
+        if sample.logprobs is not None:
+            behaviour = torch.tensor(sample.logprobs, device=new.device)[keep]
+            weight = truncated_is_weights(proximal, behaviour, self.config.tis_cap)
+            off_policy.add(proximal, behaviour, weight, self.config.tis_cap)
+        return clipped_loss(new, proximal, advantage, self.config.clip_eps, weight)
+
     def _check_fresh(self, groups: list[RolloutGroup]) -> None:
-        oldest = min(s.weight_version for g in groups for s in g.samples)
+        oldest = min(s.oldest_version for g in groups for s in g.samples)
         if self.weight_version - oldest > self.config.max_staleness:
             raise StaleRolloutError(
                 f"rollouts from weight version {oldest}, policy is at {self.weight_version} "

@@ -1,6 +1,8 @@
 """Rollouts as the trainer consumes them: samples grouped by prompt (GRPO
 compares the samples of one prompt), each stamped with the weight version
-that generated it."""
+that generated it. A multi-turn sample's completion is its whole response
+stream (sampled, environment and template tokens); `loss_mask` says which
+tokens the engine sampled: only those are trained, the rest is context."""
 
 from __future__ import annotations
 
@@ -24,14 +26,46 @@ class RolloutSample(BaseModel):
     )
     weight_version: int = Field(ge=0)
     reward: float | None = None
+    loss_mask: list[int] | None = Field(
+        None,
+        description="1 where the engine sampled the token (trained), 0 for context; "
+        "absent: every completion token was sampled.",
+    )
+    token_versions: list[int] | None = Field(
+        None,
+        description="The weight version that sampled each completion token "
+        "(NOT_SAMPLED where the mask is 0); absent: all `weight_version`.",
+    )
 
     @model_validator(mode="after")
     def _lengths(self) -> RolloutSample:
-        if self.logprobs is not None and len(self.logprobs) != len(self.completion_token_ids):
-            raise ValueError(
-                f"{len(self.logprobs)} logprobs for {len(self.completion_token_ids)} tokens"
-            )
+        n = len(self.completion_token_ids)
+        for name in ("logprobs", "loss_mask", "token_versions"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"{len(values)} {name} entries for {n} tokens")
+        if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask holds values other than 0 and 1")
         return self
+
+    @property
+    def mask(self) -> list[int]:
+        """The loss mask, all ones when the sample has none."""
+        return (
+            self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_token_ids)
+        )
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.mask)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version that sampled one of its tokens."""
+        if self.token_versions is None:
+            return self.weight_version
+        sampled = [v for v, m in zip(self.token_versions, self.mask, strict=True) if m]
+        return min(sampled, default=self.weight_version)
 
 
 class RolloutGroup(BaseModel):
@@ -50,7 +84,8 @@ class RolloutGroup(BaseModel):
 def groups_from_rows(rows: list[dict[str, Any]]) -> list[RolloutGroup]:
     """One group per prompt from the rollout rows the flow writes (columns of
     `tasks/run/records.py`: prompt_index, sample_index, prompt_token_ids,
-    response_token_ids, response, logprobs, weight_version, reward)."""
+    response_token_ids, response, logprobs, weight_version, reward, and for
+    multi-turn rows loss_mask and token_versions)."""
     by_prompt: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         by_prompt.setdefault(int(row["prompt_index"]), []).append(row)
@@ -66,6 +101,8 @@ def groups_from_rows(rows: list[dict[str, Any]]) -> list[RolloutGroup]:
                     logprobs=row.get("logprobs"),
                     weight_version=row["weight_version"],
                     reward=row.get("reward"),
+                    loss_mask=row.get("loss_mask"),
+                    token_versions=row.get("token_versions"),
                 )
             )
         groups.append(RolloutGroup(samples=samples))

@@ -1,13 +1,16 @@
 """One output row per sample: what a rollout record holds and how it is
-built from an engine's `RequestOutput`. Beside the engine's fields a row
-carries its input row's id, label and metadata columns, and (on-policy runs)
-the reward and the advantage the policy step used."""
+built from an engine's `RequestOutput` or from an agent session's
+`TrajectorySample`. Beside the engine's fields a row carries its input
+row's id, label and metadata columns, and (on-policy runs) the reward and
+the advantage the policy step used. Every row has the multi-turn columns:
+a single-turn row is one assistant turn with its whole response sampled."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engines.outputs import RequestOutput
+from engines.trajectory import TrajectorySample
 
 
 def arrow_schema(input_columns=None):
@@ -16,6 +19,14 @@ def arrow_schema(input_columns=None):
     import pyarrow as pa
 
     top_entry = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
+    turn = pa.struct(
+        [
+            ("role", pa.string()),
+            ("start", pa.int64()),
+            ("stop", pa.int64()),
+            ("engine", pa.string()),
+        ]
+    )
     return pa.schema(
         [
             ("iteration", pa.int64()),
@@ -39,6 +50,15 @@ def arrow_schema(input_columns=None):
             ("seed", pa.int64()),
             ("reward", pa.float64()),
             ("advantage", pa.float64()),
+            # engines/trajectory.py: 1 where the engine sampled the response
+            # token (trained), 0 for environment and template tokens; the
+            # version that sampled each token; the turns' [start, stop) spans.
+            ("loss_mask", pa.list_(pa.int64())),
+            ("token_versions", pa.list_(pa.int64())),
+            ("turns", pa.list_(turn)),
+            # A sample split from the one before it in its session, and why.
+            ("split_reason", pa.string()),
+            ("session_id", pa.string()),
         ]
         + list(input_columns or [])
     )
@@ -99,9 +119,67 @@ def rows_for(
                 "seed": seed,
                 "reward": None,
                 "advantage": None,
+                "loss_mask": [1] * len(sample.token_ids),
+                # The admitted (oldest) version: the engine reports no
+                # per-token version for a request a sync landed in.
+                "token_versions": [output.weight_version] * len(sample.token_ids),
+                "turns": [
+                    {
+                        "role": "assistant",
+                        "start": 0,
+                        "stop": len(sample.token_ids),
+                        "engine": output.engine,
+                    }
+                ],
+                "split_reason": None,
+                "session_id": None,
             }
         )
     return rows
+
+
+def trajectory_row(
+    sample: TrajectorySample,
+    *,
+    iteration: int,
+    prompt_index: int,
+    sample_index: int,
+    prompt: str,
+    response: str,
+    session_id: str,
+    seed: int,
+) -> dict[str, Any]:
+    """The row of one agent sample: its exact prompt and response stream
+    (`response`: the stream's text, for reading); `weight_version` is the
+    oldest that sampled one of its tokens."""
+    sampled = [v for v, m in zip(sample.token_versions, sample.loss_mask, strict=True) if m]
+    versions = sorted(set(sampled))
+    engines = [t.engine for t in sample.turns if t.engine]
+    return {
+        "iteration": iteration,
+        "prompt_index": prompt_index,
+        "sample_index": sample_index,
+        "prompt": prompt,
+        "prompt_token_ids": list(sample.prompt_token_ids),
+        "response": response,
+        "response_token_ids": list(sample.response_token_ids),
+        # The session's requests each had one; the sample keeps none.
+        "finish_reason": None,
+        "cumulative_logprob": sum(sample.logprobs),
+        "logprobs": list(sample.logprobs),
+        "top_logprobs": None,
+        "engine": engines[-1] if engines else None,
+        "weight_version": versions[0] if versions else None,
+        "weight_versions": versions,
+        "seed": seed,
+        "reward": None,
+        "advantage": None,
+        "loss_mask": list(sample.loss_mask),
+        "token_versions": list(sample.token_versions),
+        "turns": [turn.model_dump() for turn in sample.turns],
+        "split_reason": sample.split_reason,
+        "session_id": session_id,
+    }
 
 
 def with_input(row: dict[str, Any], record: Any) -> dict[str, Any]:

@@ -248,3 +248,18 @@ def test_the_run_form_shows_the_sections_only():
     assert list(schema.properties) == ["params"]
     sections = schema.definitions["RolloutParams"]["properties"]
     assert list(sections) == ["data", "engines", "sampling", "training", "output", "cluster"]
+
+
+def test_an_agent_gives_the_reward_and_trains():
+    run = params(agent="training.tool_task:agent")
+    assert run.training.agentic and run.training.on_policy
+    with pytest.raises(ValidationError, match="reward and agent both give the reward"):
+        params(agent="training.tool_task:agent", reward="training.letter_task:reward")
+    with pytest.raises(ValidationError, match="agent and agent_func_path"):
+        params(agent="training.tool_task:agent", agent_func_path="f.py")
+
+
+def test_cli_agent_runs_leave_the_demo_reward_out():
+    run = parse_params(["--agent", "training.tool_task:agent"])
+    assert run.training.reward is None and run.training.iterations == 6
+    assert parse_params([]).training.reward == "training.letter_task:reward"

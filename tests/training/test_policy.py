@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from training.config import PolicyConfig
-from training.policy import ReferencePolicy
+from training.grpo import token_logprobs
+from training.policy import OffPolicyStats, ReferencePolicy
 from training.rollouts import RolloutGroup, RolloutSample
 
 
@@ -80,3 +81,66 @@ def test_a_lora_target_that_is_no_module_is_refused_by_name(tiny_model):
     config = PolicyConfig(pretrain=tiny_model, lora_rank=4, lora_target_modules=("qkv_fused",))
     with pytest.raises(ValueError, match="qkv_fused"):
         ReferencePolicy(config)
+
+
+#: A two-turn response stream: sampled, environment, sampled (mask 1, 0, 1).
+STREAM = [40, 41, 42, 90, 91, 92, 93, 50, 51]
+MASK = [1, 1, 1, 0, 0, 0, 0, 1, 1]
+
+
+def test_tokens_outside_the_loss_mask_get_no_gradient(tiny_model):
+    """The environment's tokens are context: the loss has no gradient at the
+    positions that predict them, and does at the sampled ones."""
+    policy = ReferencePolicy(PolicyConfig(pretrain=tiny_model))
+    prompt = [5, 6, 7]
+    sample = RolloutSample(
+        prompt_token_ids=prompt,
+        completion_token_ids=STREAM,
+        logprobs=[-1.0 if m else 0.0 for m in MASK],
+        loss_mask=MASK,
+        weight_version=0,
+    )
+    with torch.no_grad():
+        (logprobs,) = token_logprobs(policy.model, [prompt + STREAM])
+    logprobs.requires_grad_(True)
+    policy._sample_loss(sample, 1.0, logprobs, OffPolicyStats()).backward()
+    response_grad = logprobs.grad[len(prompt) - 1 :]
+    for grad, m in zip(response_grad, MASK, strict=True):
+        assert (grad != 0) == bool(m), response_grad
+
+
+def test_a_masked_stream_trains_as_its_sampled_tokens(tiny_model):
+    """Behaviour logprobs are 0.0 on environment tokens (as a trajectory
+    carries them): the off-policy correction reads the sampled tokens only,
+    so rows whose sampled tokens carry the policy's own logprobs show no
+    mismatch. The oldest sampled token's version is the row's staleness,
+    and a row with nothing sampled is not trained."""
+    policy = ReferencePolicy(PolicyConfig(pretrain=tiny_model, max_staleness=3))
+    policy.weight_version = 3
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        (own,) = token_logprobs(policy.model, [prompt + STREAM])
+    own = own[len(prompt) - 1 :].tolist()
+    samples = [
+        RolloutSample(
+            prompt_token_ids=prompt,
+            completion_token_ids=STREAM,
+            logprobs=[lp if m else 0.0 for lp, m in zip(own, MASK, strict=True)],
+            loss_mask=MASK,
+            token_versions=[1, 1, 1, -1, -1, -1, -1, 2, 2] if k == 0 else None,
+            weight_version=3 if k else 2,
+            reward=float(k),
+        )
+        for k in range(2)
+    ]
+    idle = RolloutSample(
+        prompt_token_ids=prompt,
+        completion_token_ids=[90, 91],
+        loss_mask=[0, 0],
+        weight_version=3,
+        reward=5.0,
+    )
+    report = policy.train_step([RolloutGroup(samples=[*samples, idle])])
+    assert report.trained_samples == 2
+    assert report.logprob_mismatch < 1e-5
+    assert report.staleness_max == 2

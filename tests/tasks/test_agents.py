@@ -1,0 +1,57 @@
+"""Agent functions as the flow takes them: refused before anything starts
+when they cannot run, their results in one typed shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.params import RolloutParams, sectioned
+from flows.rollout import check_settings
+from tasks.agents import AgentError, AgentResult, as_result, check_func_path, load_agent
+from training import tool_task
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "my_agent.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_an_async_function_loads_by_module_or_file(tmp_path):
+    assert load_agent("training.tool_task:agent") is tool_task.agent
+    path = write(tmp_path, "async def agent(client, row):\n    return 1.0, {}\n")
+    assert load_agent(f"{path}:agent").__name__ == "agent"
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("training.tool_task", "must be 'package.module:function'"),
+        ("no_such_module_xyz:agent", "cannot import 'no_such_module_xyz'"),
+        ("training.tool_task:nothing", "has no callable 'nothing'"),
+        ("training.tool_task:lookup", "is not async"),
+        ("/nowhere/agent.py:agent", "cannot import '/nowhere/agent.py'"),
+    ],
+)
+def test_an_agent_that_cannot_run_is_refused_naming_it(path, message):
+    with pytest.raises(ValueError, match=message):
+        load_agent(path)
+
+
+def test_the_flow_checks_the_agent_before_anything_starts(tmp_path):
+    def run(**values):
+        return RolloutParams.model_validate(sectioned(values))
+
+    with pytest.raises(ValueError, match="is not async"):
+        check_settings(run(agent="training.tool_task:lookup"))
+    with pytest.raises(ValueError, match="agent_func_path '/nowhere/agent_func.py'"):
+        check_settings(run(agent_func_path="/nowhere/agent_func.py"))
+    check_settings(run(agent="training.tool_task:agent"))
+    assert check_func_path(write(tmp_path, "")) == str(tmp_path / "my_agent.py")
+
+
+def test_results_come_as_agent_result_or_a_pair():
+    assert as_result(AgentResult(0.5, {"a": 1}), "x") == AgentResult(0.5, {"a": 1})
+    assert as_result((1, {"turns": 2}), "x") == AgentResult(1.0, {"turns": 2})
+    with pytest.raises(AgentError, match="agent f returned 0.5: expected AgentResult"):
+        as_result(0.5, "agent f")
