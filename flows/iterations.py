@@ -180,4 +180,7 @@ def generation_plan(
         output=params.output,
         cluster=params.cluster,
         reward_timeout_s=params.training.reward_timeout_s,
+        max_refill_rounds=(
+            params.training.max_refill_rounds if params.training.dynamic_sampling else None
+        ),
     )

@@ -1,6 +1,12 @@
 """The generation task: one iteration's rollouts, shard by shard, written
 exactly once. With a reward, each shard is scored (in Ray) before it is
-written, so its rows carry their reward and the advantage the policy uses."""
+written, so its rows carry their reward and the advantage the policy uses.
+
+Dynamic sampling (DAPO's filter_groups): a group whose rewards all agree
+teaches the policy nothing; its rows are written marked `filtered`, and its
+prompt is sampled again in a refill round (further shards of the iteration,
+with seeds of their own), until every group has signal or the rounds run out.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ class GenerationPlan:
     cluster: ClusterParams
     #: Deadline for the reward on one shard.
     reward_timeout_s: float = 300.0
+    #: Dynamic sampling: the most refill rounds (None: off, no group is filtered).
+    max_refill_rounds: int | None = None
 
     @property
     def directory(self) -> Path:
@@ -60,6 +68,11 @@ class IterationReport:
     generated_tokens: int
     #: Time spent waiting for rewards (the flow waits; the reward runs in Ray).
     reward_seconds: float = 0.0
+    #: Dynamic sampling: groups generated in every round, those filtered
+    #: (rewards all agree), and the refill rounds run.
+    groups: int = 0
+    filtered_groups: int | None = None
+    refill_rounds: int = 0
 
 
 class PolicyLink:
@@ -86,17 +99,22 @@ class ShardWriter:
         store: ShardStore,
         progress: IterationProgress,
         scorer: Any,
-        total: int,
     ) -> None:
         self.pool, self.prompts, self.plan, self.store = pool, prompts, plan, store
-        self.progress, self.scorer, self.total = progress, scorer, total
+        self.progress, self.scorer = progress, scorer
         self.logger = get_run_logger()
-        self.done = self.rows = self.tokens = 0
+        # Shards: in every round, written, and found written when their round began.
+        self.total = self.done = self.skipped = 0
+        self.rows = self.tokens = 0
         self.reward_seconds = 0.0
+        # The round running and its prompts: a shard's positions index `order`.
+        self.round, self.order = 0, list(range(len(prompts)))
 
     def seed_of(self, prompt_index: int) -> int:
         plan = self.plan
-        return request_seed(plan.base_seed, plan.iteration, prompt_index, len(self.prompts))
+        return request_seed(
+            plan.base_seed, plan.iteration, prompt_index, len(self.prompts), self.round
+        )
 
     def submit(self, engine: int, shard: Shard) -> list:
         handle = self.pool.engines[engine]
@@ -105,13 +123,46 @@ class ShardWriter:
                 self.prompts.records[i].prompt,
                 self.plan.sampling.model_copy(update={"seed": self.seed_of(i)}),
             )
-            for i in range(shard.start, shard.stop)
+            for i in self.order[shard.start : shard.stop]
         ]
+
+    def run_round(self, round_: int, order: list[int]) -> list[Shard]:
+        """Generate (or find written) the shards of one round over the
+        prompts at `order`; returns its shards."""
+        plan = self.plan
+        self.round, self.order = round_, order
+        shards = plan_shards(len(order), plan.output.shard_size, round_)
+        todo = [shard for shard in shards if not self.store.is_done(shard)]
+        self.total += len(shards)
+        self.done += len(shards) - len(todo)
+        self.skipped += len(shards) - len(todo)
+        reused_rows = (len(order) - sum(len(shard) for shard in todo)) * plan.sampling.n
+        if round_ == 0:
+            self.progress.reused(reused_rows, restarts(self.pool))
+        else:
+            self.progress.refill(len(order) * plan.sampling.n, reused_rows)
+        if len(todo) < len(shards):
+            self.logger.info(
+                "iteration %d, round %d: %d of %d shards already written",
+                plan.iteration,
+                round_,
+                len(shards) - len(todo),
+                len(shards),
+            )
+        run_shards(
+            self.pool,
+            todo,
+            self.submit,
+            self.on_done,
+            per_engine=plan.cluster.shards_per_engine,
+            timeout_s=plan.cluster.request_timeout_s,
+        )
+        return shards
 
     def on_done(self, shard: Shard, engine: int, results: list, seconds: float) -> None:
         plan = self.plan
         rows, inputs = [], []
-        for i, output in zip(range(shard.start, shard.stop), results, strict=True):
+        for i, output in zip(self.order[shard.start : shard.stop], results, strict=True):
             record = self.prompts.records[i]
             for row in rows_for(
                 output,
@@ -121,11 +172,13 @@ class ShardWriter:
                 seed=self.seed_of(i),
                 with_logprobs=plan.sampling.logprobs is not None,
             ):
+                row["refill_round"] = self.round
                 rows.append(with_input(row, record))
                 inputs.append(record)
         if self.scorer is not None:
             started = time.monotonic()
-            add_rewards(rows, inputs, self.scorer, plan.reward_timeout_s)
+            filtering = plan.max_refill_rounds is not None
+            add_rewards(rows, inputs, self.scorer, plan.reward_timeout_s, filtering)
             self.reward_seconds += time.monotonic() - started
         self.store.write(shard, rows)
         tokens = sum(len(row["response_token_ids"]) for row in rows)
@@ -186,46 +239,65 @@ def generate_rollouts(
     replace_failed(pool, plan, policy)
     store = ShardStore(plan.directory, plan.output.output_format, prompts.columns)
     store.remove_partial_files()
-    shards = plan_shards(len(prompts), plan.output.shard_size)
-    todo = [shard for shard in shards if not store.is_done(shard)]
-    writer = ShardWriter(pool, prompts, plan, store, progress, scorer, total=len(shards))
-    writer.done = len(shards) - len(todo)
-    if writer.done:
-        get_run_logger().info(
-            "iteration %d: %d of %d shards already written",
-            plan.iteration,
-            writer.done,
-            len(shards),
-        )
-    reused_rows = (len(prompts) - sum(len(shard) for shard in todo)) * plan.sampling.n
-    progress.reused(reused_rows, restarts(pool))
-    run_shards(
-        pool,
-        todo,
-        writer.submit,
-        writer.on_done,
-        per_engine=plan.cluster.shards_per_engine,
-        timeout_s=plan.cluster.request_timeout_s,
-    )
+    writer = ShardWriter(pool, prompts, plan, store, progress, scorer)
+    order, groups, filtered, round_ = list(range(len(prompts))), 0, 0, 0
+    while True:
+        shards = writer.run_round(round_, order)
+        groups += len(order)
+        if plan.max_refill_rounds is None:
+            break
+        # Read back from the shards (this try's or an earlier one's), so a
+        # retry plans the same refill as the try before it.
+        order = no_signal(store, shards)
+        filtered += len(order)
+        if not order:
+            break
+        if round_ == plan.max_refill_rounds:
+            get_run_logger().warning(
+                "iteration %d: dynamic sampling reached max_refill_rounds=%d with %d of %d "
+                "groups still without learning signal (their rewards all agree); the step "
+                "trains on the other %d",
+                plan.iteration,
+                plan.max_refill_rounds,
+                len(order),
+                len(prompts),
+                len(prompts) - len(order),
+            )
+            break
+        round_ += 1
     return IterationReport(
         iteration=plan.iteration,
         directory=str(plan.directory),
-        shards=len(shards),
-        shards_skipped=len(shards) - len(todo),
-        rows=len(prompts) * plan.sampling.n,
+        shards=writer.total,
+        shards_skipped=writer.skipped,
+        rows=groups * plan.sampling.n,
         seconds=round(time.monotonic() - began, 2),
         generated_rows=writer.rows,
         generated_tokens=writer.tokens,
         reward_seconds=round(writer.reward_seconds, 3),
+        groups=groups,
+        filtered_groups=None if plan.max_refill_rounds is None else filtered,
+        refill_rounds=round_,
     )
 
 
+def no_signal(store: ShardStore, shards: list[Shard]) -> list[int]:
+    """The prompts of `shards` whose groups were filtered (rewards all agree)."""
+    rows = [row for shard in shards for row in store.read(shard, ["prompt_index", "filtered"])]
+    return sorted({row["prompt_index"] for row in rows if row["filtered"]})
+
+
 def add_rewards(
-    rows: list[dict[str, Any]], inputs: list[PromptRecord], scorer: Any, timeout_s: float
+    rows: list[dict[str, Any]],
+    inputs: list[PromptRecord],
+    scorer: Any,
+    timeout_s: float,
+    filtering: bool = False,
 ) -> None:
     """Score one shard's rows (`inputs`: each row's input record) in Ray, then
     set each row's reward and its advantage within its prompt's group, as the
-    policy step computes it."""
+    policy step computes it. `filtering` (dynamic sampling): mark the rows of
+    a group whose rewards all agree (no advantage) `filtered`."""
     samples = [
         RewardInput(
             id=record.id,
@@ -249,6 +321,8 @@ def add_rewards(
         advantages = group_advantages([rows[p]["reward"] for p in positions])
         for p, advantage in zip(positions, advantages, strict=True):
             rows[p]["advantage"] = advantage
+            if filtering:
+                rows[p]["filtered"] = not any(advantages)
 
 
 def restarts(pool: EnginePool) -> int:

@@ -32,6 +32,7 @@ from engines.base import (
 )
 from engines.config import EngineConfig
 from engines.errors import RequestError
+from engines.load import EngineLoad
 from engines.outputs import RequestOutput
 from engines.startup import StartupClock, actor_clock
 from engines.vllm import forkserver
@@ -44,6 +45,7 @@ from engines.vllm.api import (
     worker_memory,
 )
 from engines.vllm.core import CoreCalls
+from engines.vllm.load import SchedulerLoad
 from engines.vllm.startup_log import OwnLog, vllm_log_phases
 
 logger = logging.getLogger(__name__)
@@ -119,7 +121,10 @@ class VLLMEngine(RolloutEngine):
         clock.mark("engine arguments")
         if after:
             wait_turn(after, env.ready_timeout_s(), config.name, clock)
-        self.engine = api.AsyncLLM.from_engine_args(args, usage_context=api.UsageContext.LLM_CLASS)
+        self._load = SchedulerLoad()  # what the dispatcher admits work by
+        self.engine = api.AsyncLLM.from_engine_args(
+            args, usage_context=api.UsageContext.LLM_CLASS, stat_loggers=[self._load.stat_logger()]
+        )
         self._core = CoreCalls(self.engine, config.name)
         clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
         # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
@@ -203,6 +208,9 @@ class VLLMEngine(RolloutEngine):
         # AsyncLLM has no public count; the output processor tracks every
         # request (n>1 counts each sample) until its final output is out.
         return self.engine.output_processor.get_num_unfinished_requests()
+
+    async def load(self) -> EngineLoad:
+        return self._load.load(self.engine.output_processor.get_num_unfinished_requests())
 
     # --- control ------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:

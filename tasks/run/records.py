@@ -39,6 +39,11 @@ def arrow_schema(input_columns=None):
             ("seed", pa.int64()),
             ("reward", pa.float64()),
             ("advantage", pa.float64()),
+            # Dynamic sampling: the refill round that made the row (0: the
+            # iteration's own), and whether its group's rewards all agree
+            # (kept on disk, left out of the policy step).
+            ("refill_round", pa.int64()),
+            ("filtered", pa.bool_()),
         ]
         + list(input_columns or [])
     )
@@ -50,10 +55,16 @@ def output_columns() -> set[str]:
     return set(arrow_schema().names) | {"id", "label"}
 
 
-def request_seed(base_seed: int, iteration: int, prompt_index: int, num_prompts: int) -> int:
+#: Seeds of refill round r start r strides up: past any iteration's seeds.
+REFILL_SEED_STRIDE = 2**40
+
+
+def request_seed(
+    base_seed: int, iteration: int, prompt_index: int, num_prompts: int, refill_round: int = 0
+) -> int:
     """The seed of one request, unique within a run: the rollout of a prompt
     does not depend on which engine served it, or on which attempt."""
-    return base_seed + iteration * num_prompts + prompt_index
+    return base_seed + iteration * num_prompts + prompt_index + refill_round * REFILL_SEED_STRIDE
 
 
 def rows_for(
@@ -99,6 +110,8 @@ def rows_for(
                 "seed": seed,
                 "reward": None,
                 "advantage": None,
+                "refill_round": 0,
+                "filtered": None,
             }
         )
     return rows

@@ -37,6 +37,9 @@ class IterationMetrics:
     staleness_max: int | None = None
     #: Mean |policy - engine logprob| per token of the rows.
     logprob_mismatch: float | None = None
+    #: Dynamic sampling: the fraction of the groups generated (every refill
+    #: round's too) left out of the step, their rewards all agreeing.
+    filtered_fraction: float | None = None
 
     @classmethod
     def of(
@@ -59,6 +62,11 @@ class IterationMetrics:
             sync_seconds=synced.seconds if synced else None,
             staleness_max=step.staleness_max if step else None,
             logprob_mismatch=step.logprob_mismatch if step else None,
+            filtered_fraction=(
+                report.filtered_groups / report.groups
+                if report.filtered_groups is not None and report.groups
+                else None
+            ),
         )
 
     def scalars(self) -> dict[str, float]:
@@ -144,6 +152,7 @@ CURVES = (
     Curve("sync_seconds", "weight sync (s)"),
     Curve("staleness_max", "staleness (versions, max)"),
     Curve("logprob_mismatch", "logprob mismatch (policy vs engine)"),
+    Curve("filtered_fraction", "groups filtered (no signal)"),
 )
 
 
