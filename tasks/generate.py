@@ -3,15 +3,20 @@ exactly once. With a reward, each shard is scored (in Ray) before it is
 written, so its rows carry their reward and the advantage the policy uses.
 
 Dynamic sampling (DAPO's filter_groups): a group whose rewards all agree
-teaches the policy nothing; its rows are written marked `filtered`, and its
-prompt is sampled again in a refill round (further shards of the iteration,
-with seeds of their own), until every group has signal or the rounds run out.
+teaches the policy nothing; its rows are written marked `filtered`, and
+refill rounds (further shards of the iteration, with seeds of their own)
+sample more groups until the batch again holds one group with signal per
+prompt of the iteration, or the rounds run out. Every prompt is in round 0,
+so a refill samples again the prompts that showed signal (the policy's
+frontier: a prompt it answers all right or all wrong tends to stay so),
+each once per round; when none did, the filtered ones.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,9 @@ from tasks.run.records import request_seed, rows_for, with_input
 from tasks.run.shards import Shard, ShardStore, plan_shards
 from training.grpo import group_advantages
 from training.rewards import RewardInput, score_remote
+
+#: What dynamic sampling reads back of a round's rows.
+READ_BACK = ["prompt_index", "filtered", "reward"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ class IterationReport:
     groups: int = 0
     filtered_groups: int | None = None
     refill_rounds: int = 0
+    #: Dynamic sampling: the reward of the iteration's own samples (its first
+    #: round), as a run without it reports; the step's covers what it kept.
+    reward_mean: float | None = None
+    reward_std: float | None = None
 
 
 class PolicyLink:
@@ -240,28 +252,28 @@ def generate_rollouts(
     store = ShardStore(plan.directory, plan.output.output_format, prompts.columns)
     store.remove_partial_files()
     writer = ShardWriter(pool, prompts, plan, store, progress, scorer)
-    order, groups, filtered, round_ = list(range(len(prompts))), 0, 0, 0
+    order, groups, round_ = list(range(len(prompts))), 0, 0
+    refill = None if plan.max_refill_rounds is None else Refill(len(prompts))
     while True:
         shards = writer.run_round(round_, order)
         groups += len(order)
-        if plan.max_refill_rounds is None:
+        if refill is None:
             break
         # Read back from the shards (this try's or an earlier one's), so a
         # retry plans the same refill as the try before it.
-        order = no_signal(store, shards)
-        filtered += len(order)
+        order = refill.next_round([row for s in shards for row in store.read(s, READ_BACK)])
         if not order:
             break
         if round_ == plan.max_refill_rounds:
             get_run_logger().warning(
                 "iteration %d: dynamic sampling reached max_refill_rounds=%d with %d of %d "
-                "groups still without learning signal (their rewards all agree); the step "
-                "trains on the other %d",
+                "groups with learning signal (the others' rewards all agree); the step "
+                "trains on those %d",
                 plan.iteration,
                 plan.max_refill_rounds,
-                len(order),
-                len(prompts),
-                len(prompts) - len(order),
+                len(refill.signal),
+                refill.batch,
+                len(refill.signal),
             )
             break
         round_ += 1
@@ -276,15 +288,35 @@ def generate_rollouts(
         generated_tokens=writer.tokens,
         reward_seconds=round(writer.reward_seconds, 3),
         groups=groups,
-        filtered_groups=None if plan.max_refill_rounds is None else filtered,
+        filtered_groups=None if refill is None else refill.filtered,
         refill_rounds=round_,
+        reward_mean=None if refill is None else statistics.fmean(refill.rewards),
+        reward_std=None if refill is None else statistics.pstdev(refill.rewards),
     )
 
 
-def no_signal(store: ShardStore, shards: list[Shard]) -> list[int]:
-    """The prompts of `shards` whose groups were filtered (rewards all agree)."""
-    rows = [row for shard in shards for row in store.read(shard, ["prompt_index", "filtered"])]
-    return sorted({row["prompt_index"] for row in rows if row["filtered"]})
+@dataclass
+class Refill:
+    """Dynamic sampling's account of one iteration: `batch` groups with
+    signal wanted, one per prompt of the iteration."""
+
+    batch: int
+    #: The prompt of each group with signal so far, round by round.
+    signal: list[int] = field(default_factory=list)
+    filtered: int = 0
+    #: The rewards of the iteration's own samples (round 0).
+    rewards: list[float] = field(default_factory=list)
+
+    def next_round(self, rows: list[dict[str, Any]]) -> list[int]:
+        """File a round's rows; returns the prompts of the next round (none:
+        the batch is full)."""
+        flat = sorted({row["prompt_index"] for row in rows if row["filtered"]})
+        self.signal += sorted({row["prompt_index"] for row in rows if not row["filtered"]})
+        self.filtered += len(flat)
+        if not self.rewards:
+            self.rewards = [row["reward"] for row in rows]
+        deficit = self.batch - len(self.signal)
+        return (sorted(set(self.signal)) or flat)[: max(0, deficit)]
 
 
 def add_rewards(
