@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="vLLM: no CUDA graphs (engines start in seconds, not a minute)",
     )
+    parser.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        help="leave groups whose rewards agree out of each step and refill the batch",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.num_engines is None:
@@ -106,6 +111,7 @@ def params_for(args: argparse.Namespace, schedule: str, model: str, prompts: Pat
         learning_rate=args.learning_rate,
         seed=args.seed,
         schedule=schedule,
+        dynamic_sampling=args.dynamic_sampling,
         **({"max_staleness": args.max_staleness} if schedule != "sync" else {}),
         shard_size=max(1, args.prompts // (2 * args.num_engines)),
         output_dir=str(out),

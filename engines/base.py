@@ -21,6 +21,7 @@ from engines.errors import (
     PromptTooLongError,
     RequestError,
 )
+from engines.load import EngineLoad
 from engines.openrlhf_agents import AgentApi
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
@@ -189,6 +190,11 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
 
     @abc.abstractmethod
     async def get_num_unfinished_requests(self) -> int: ...
+
+    @abc.abstractmethod
+    async def load(self) -> EngineLoad:
+        """Sequences running and waiting, and the KV cache's use: what the
+        dispatcher admits more work by."""
 
     # --- control ------------------------------------------------------------
     @abc.abstractmethod

@@ -189,4 +189,7 @@ def generation_plan(
         cluster=params.cluster,
         reward_timeout_s=params.training.reward_timeout_s,
         agent=agent,
+        max_refill_rounds=(
+            params.training.max_refill_rounds if params.training.dynamic_sampling else None
+        ),
     )

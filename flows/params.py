@@ -208,6 +208,24 @@ class TrainingParams(BaseModel):
             )
         return self
 
+    # Off by default, as verl's and OpenRLHF's filter_groups: refills cost
+    # generation (up to 1 + max_refill_rounds times an iteration's), and a
+    # step's work then differs from the schedules' benchmarks without it.
+    dynamic_sampling: bool = Field(
+        False,
+        description="On-policy runs (DAPO's filter_groups): groups whose rewards all agree "
+        "are left out of the policy step (their rows are written, marked filtered) and "
+        "their prompts sampled again, with new seeds, until every group has signal or "
+        "max_refill_rounds is reached.",
+    )
+    max_refill_rounds: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="dynamic_sampling: the most refill rounds per iteration (DAPO's "
+        "max_num_gen_batches - 1); past it the step trains on the groups it has.",
+    )
+
     @model_validator(mode="after")
     def _staleness(self) -> TrainingParams:
         if self.schedule == "sync":
@@ -273,6 +291,13 @@ class RolloutParams(BaseModel):
             raise ValueError(
                 "colocate puts the policy beside the engines: it needs an on-policy run "
                 "(a reward, and train on)"
+            )
+        if self.training.dynamic_sampling and not (
+            self.training.on_policy and self.sampling.n >= 2
+        ):
+            raise ValueError(
+                "dynamic_sampling filters groups by their rewards: it needs an on-policy run "
+                f"(a reward, and train on) and n >= 2 samples per prompt, got n={self.sampling.n}"
             )
         if self.training.colocate and self.engines.tensor_parallel_size != 1:
             raise ValueError(

@@ -1,12 +1,22 @@
 """The generation task: one iteration's rollouts, shard by shard, written
 exactly once. With a reward, each shard is scored (in Ray) before it is
-written, so its rows carry their reward and the advantage the policy uses."""
+written, so its rows carry their reward and the advantage the policy uses.
+
+Dynamic sampling (DAPO's filter_groups): a group whose rewards all agree
+teaches the policy nothing; its rows are written marked `filtered`, and
+refill rounds (further shards of the iteration, with seeds of their own)
+sample more groups until the batch again holds one group with signal per
+prompt of the iteration, or the rounds run out. Every prompt is in round 0,
+so a refill samples again the prompts that showed signal (the policy's
+frontier: a prompt it answers all right or all wrong tends to stay so),
+each once per round; when none did, the filtered ones.
+"""
 
 from __future__ import annotations
 
+import statistics
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +25,20 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import SamplingParams
 from engines.client import get
-from tasks.agents import AgentPlan, run_prompt
+from tasks.agents import AgentPlan
 from tasks.engines import retry_on_engine_failure, wait_ready
 from tasks.run.dispatch import run_shards
 from tasks.run.params import ClusterParams, OutputParams
 from tasks.run.pool import EnginePool
 from tasks.run.progress import IterationProgress
 from tasks.run.prompts import PromptRecord, Prompts
-from tasks.run.records import request_seed, rows_for, trajectory_row, with_input
+from tasks.run.records import request_seed, rows_for, with_input
 from tasks.run.shards import Shard, ShardStore, plan_shards
 from training.grpo import group_advantages
 from training.rewards import RewardInput, score_remote
+
+#: What dynamic sampling reads back of a round's rows.
+READ_BACK = ["prompt_index", "filtered", "reward"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,8 @@ class GenerationPlan:
     cluster: ClusterParams
     #: Deadline for the reward on one shard.
     reward_timeout_s: float = 300.0
+    #: Dynamic sampling: the most refill rounds (None: off, no group is filtered).
+    max_refill_rounds: int | None = None
     #: An agent run: each prompt's `n` samples are agent sessions.
     agent: AgentPlan | None = None
 
@@ -64,6 +79,15 @@ class IterationReport:
     generated_tokens: int
     #: Time spent waiting for rewards (the flow waits; the reward runs in Ray).
     reward_seconds: float = 0.0
+    #: Dynamic sampling: groups generated in every round, those filtered
+    #: (rewards all agree), and the refill rounds run.
+    groups: int = 0
+    filtered_groups: int | None = None
+    refill_rounds: int = 0
+    #: Dynamic sampling: the reward of the iteration's own samples (its first
+    #: round), as a run without it reports; the step's covers what it kept.
+    reward_mean: float | None = None
+    reward_std: float | None = None
 
 
 class PolicyLink:
@@ -90,17 +114,22 @@ class ShardWriter:
         store: ShardStore,
         progress: IterationProgress,
         scorer: Any,
-        total: int,
     ) -> None:
         self.pool, self.prompts, self.plan, self.store = pool, prompts, plan, store
-        self.progress, self.scorer, self.total = progress, scorer, total
+        self.progress, self.scorer = progress, scorer
         self.logger = get_run_logger()
-        self.done = self.rows = self.tokens = 0
+        # Shards: in every round, written, and found written when their round began.
+        self.total = self.done = self.skipped = 0
+        self.rows = self.tokens = 0
         self.reward_seconds = 0.0
+        # The round running and its prompts: a shard's positions index `order`.
+        self.round, self.order = 0, list(range(len(prompts)))
 
     def seed_of(self, prompt_index: int) -> int:
         plan = self.plan
-        return request_seed(plan.base_seed, plan.iteration, prompt_index, len(self.prompts))
+        return request_seed(
+            plan.base_seed, plan.iteration, prompt_index, len(self.prompts), self.round
+        )
 
     def submit(self, engine: int, shard: Shard) -> list:
         handle = self.pool.engines[engine]
@@ -109,14 +138,47 @@ class ShardWriter:
                 self.prompts.records[i].prompt,
                 self.plan.sampling.model_copy(update={"seed": self.seed_of(i)}),
             )
-            for i in range(shard.start, shard.stop)
+            for i in self.order[shard.start : shard.stop]
         ]
+
+    def run_round(self, round_: int, order: list[int]) -> list[Shard]:
+        """Generate (or find written) the shards of one round over the
+        prompts at `order`; returns its shards."""
+        plan = self.plan
+        self.round, self.order = round_, order
+        shards = plan_shards(len(order), plan.output.shard_size, round_)
+        todo = [shard for shard in shards if not self.store.is_done(shard)]
+        self.total += len(shards)
+        self.done += len(shards) - len(todo)
+        self.skipped += len(shards) - len(todo)
+        reused_rows = (len(order) - sum(len(shard) for shard in todo)) * plan.sampling.n
+        if round_ == 0:
+            self.progress.reused(reused_rows, restarts(self.pool))
+        else:
+            self.progress.refill(len(order) * plan.sampling.n, reused_rows)
+        if len(todo) < len(shards):
+            self.logger.info(
+                "iteration %d, round %d: %d of %d shards already written",
+                plan.iteration,
+                round_,
+                len(shards) - len(todo),
+                len(shards),
+            )
+        run_shards(
+            self.pool,
+            todo,
+            self.submit,
+            self.on_done,
+            per_engine=plan.cluster.shards_per_engine,
+            timeout_s=plan.cluster.request_timeout_s,
+        )
+        return shards
 
     def rows_of(self, shard: Shard, results: list) -> list[dict[str, Any]]:
         """A finished shard's rows, scored when the run has a reward."""
         plan = self.plan
         rows, inputs = [], []
-        for i, output in zip(range(shard.start, shard.stop), results, strict=True):
+        for i, output in zip(self.order[shard.start : shard.stop], results, strict=True):
             record = self.prompts.records[i]
             for row in rows_for(
                 output,
@@ -126,11 +188,13 @@ class ShardWriter:
                 seed=self.seed_of(i),
                 with_logprobs=plan.sampling.logprobs is not None,
             ):
+                row["refill_round"] = self.round
                 rows.append(with_input(row, record))
                 inputs.append(record)
         if self.scorer is not None:
             started = time.monotonic()
-            add_rewards(rows, inputs, self.scorer, plan.reward_timeout_s)
+            filtering = plan.max_refill_rounds is not None
+            add_rewards(rows, inputs, self.scorer, plan.reward_timeout_s, filtering)
             self.reward_seconds += time.monotonic() - started
         return rows
 
@@ -196,47 +260,88 @@ def generate_rollouts(
     replace_failed(pool, plan, policy)
     store = ShardStore(plan.directory, plan.output.output_format, prompts.columns)
     store.remove_partial_files()
-    shards = plan_shards(len(prompts), plan.output.shard_size)
-    todo = [shard for shard in shards if not store.is_done(shard)]
-    kind = ShardWriter if plan.agent is None else AgentWriter
-    writer = kind(pool, prompts, plan, store, progress, scorer, total=len(shards))
-    writer.done = len(shards) - len(todo)
-    if writer.done:
-        get_run_logger().info(
-            "iteration %d: %d of %d shards already written",
-            plan.iteration,
-            writer.done,
-            len(shards),
-        )
-    reused_rows = (len(prompts) - sum(len(shard) for shard in todo)) * plan.sampling.n
-    progress.reused(reused_rows, restarts(pool))
-    run_shards(
-        pool,
-        todo,
-        writer.submit,
-        writer.on_done,
-        per_engine=plan.cluster.shards_per_engine,
-        timeout_s=plan.cluster.request_timeout_s,
-    )
+    kind = ShardWriter
+    if plan.agent is not None:
+        from tasks.agent_writer import AgentWriter  # it builds on ShardWriter
+
+        kind = AgentWriter
+    writer = kind(pool, prompts, plan, store, progress, scorer)
+    order, groups, round_ = list(range(len(prompts))), 0, 0
+    refill = None if plan.max_refill_rounds is None else Refill(len(prompts))
+    while True:
+        shards = writer.run_round(round_, order)
+        groups += len(order)
+        if refill is None:
+            break
+        # Read back from the shards (this try's or an earlier one's), so a
+        # retry plans the same refill as the try before it.
+        order = refill.next_round([row for s in shards for row in store.read(s, READ_BACK)])
+        if not order:
+            break
+        if round_ == plan.max_refill_rounds:
+            get_run_logger().warning(
+                "iteration %d: dynamic sampling reached max_refill_rounds=%d with %d of %d "
+                "groups with learning signal (the others' rewards all agree); the step "
+                "trains on those %d",
+                plan.iteration,
+                plan.max_refill_rounds,
+                len(refill.signal),
+                refill.batch,
+                len(refill.signal),
+            )
+            break
+        round_ += 1
     return IterationReport(
         iteration=plan.iteration,
         directory=str(plan.directory),
-        shards=len(shards),
-        shards_skipped=len(shards) - len(todo),
-        rows=len(prompts) * plan.sampling.n,
+        shards=writer.total,
+        shards_skipped=writer.skipped,
+        rows=groups * plan.sampling.n,
         seconds=round(time.monotonic() - began, 2),
         generated_rows=writer.rows,
         generated_tokens=writer.tokens,
         reward_seconds=round(writer.reward_seconds, 3),
+        groups=groups,
+        filtered_groups=None if refill is None else refill.filtered,
+        refill_rounds=round_,
+        reward_mean=None if refill is None else statistics.fmean(refill.rewards),
+        reward_std=None if refill is None else statistics.pstdev(refill.rewards),
     )
 
 
+@dataclass
+class Refill:
+    """Dynamic sampling's account of one iteration: `batch` groups with
+    signal wanted, one per prompt of the iteration."""
+
+    batch: int
+    #: The prompt of each group with signal so far, round by round.
+    signal: list[int] = field(default_factory=list)
+    filtered: int = 0
+    #: The rewards of the iteration's own samples (round 0).
+    rewards: list[float] = field(default_factory=list)
+
+    def next_round(self, rows: list[dict[str, Any]]) -> list[int]:
+        """File a round's rows; returns the prompts of the next round (none:
+        the batch is full)."""
+        flat = sorted({row["prompt_index"] for row in rows if row["filtered"]})
+        self.signal += sorted({row["prompt_index"] for row in rows if not row["filtered"]})
+        self.filtered += len(flat)
+        if not self.rewards:
+            self.rewards = [row["reward"] for row in rows]
+        deficit = self.batch - len(self.signal)
+        return (sorted(set(self.signal)) or flat)[: max(0, deficit)]
+
+
 def add_rewards(
-    rows: list[dict[str, Any]], inputs: list[PromptRecord], scorer: Any, timeout_s: float
+    rows: list[dict[str, Any]],
+    inputs: list[PromptRecord],
+    scorer: Any,
+    timeout_s: float,
+    filtering: bool = False,
 ) -> None:
     """Score one shard's rows (`inputs`: each row's input record) in Ray, then
-    set each row's reward and its advantage within its prompt's group, as the
-    policy step computes it."""
+    set each row's reward and advantage (`add_advantages`)."""
     samples = [
         RewardInput(
             id=record.id,
@@ -252,11 +357,13 @@ def add_rewards(
     ]
     for row, reward in zip(rows, score_remote(scorer, samples, timeout_s), strict=True):
         row["reward"] = reward
-    add_advantages(rows)
+    add_advantages(rows, filtering)
 
 
-def add_advantages(rows: list[dict[str, Any]]) -> None:
-    """Each row's advantage within its prompt's group, as the policy step computes it."""
+def add_advantages(rows: list[dict[str, Any]], filtering: bool = False) -> None:
+    """Each row's advantage within its prompt's group, as the policy step
+    computes it; `filtering` (dynamic sampling): mark the rows of a group
+    whose rewards all agree (no advantage) `filtered`."""
     groups: dict[int, list[int]] = {}
     for position, row in enumerate(rows):
         groups.setdefault(row["prompt_index"], []).append(position)
@@ -265,53 +372,8 @@ def add_advantages(rows: list[dict[str, Any]]) -> None:
         advantages = group_advantages([rows[p]["reward"] for p in positions])
         for p, advantage in zip(positions, advantages, strict=True):
             rows[p]["advantage"] = advantage
-
-
-class AgentWriter(ShardWriter):
-    """An agent run's shards: each prompt's `n` sessions run in one Ray task
-    (tasks/agents.py); every sample a session made is a row carrying the
-    session's reward. A session the router split gives one row per piece,
-    each with the whole session's reward (the agent scores the session, not
-    a piece), so it weighs in its prompt's group once per piece."""
-
-    def submit(self, engine: int, shard: Shard) -> list:
-        handle = self.pool.engines[engine]
-        refs = []
-        for i in range(shard.start, shard.stop):
-            record = self.prompts.records[i]
-            row = {"id": record.id, "prompt": record.prompt, "label": record.label}
-            sessions = [
-                f"i{self.plan.iteration}-p{i}-s{k}-{uuid.uuid4().hex[:8]}"
-                for k in range(self.plan.sampling.n)
-            ]
-            refs.append(
-                run_prompt.remote(self.plan.agent, handle, {**row, **record.metadata}, sessions)
-            )
-        return refs
-
-    def rows_of(self, shard: Shard, results: list) -> list[dict[str, Any]]:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.plan.agent.model)
-        rows = []
-        for i, sessions in zip(range(shard.start, shard.stop), results, strict=True):
-            record = self.prompts.records[i]
-            for k, session in enumerate(sessions):
-                for sample in session.samples:
-                    text = tokenizer.decode(sample.response_token_ids)
-                    row = trajectory_row(
-                        sample,
-                        iteration=self.plan.iteration,
-                        prompt_index=i,
-                        sample_index=k,
-                        prompt=record.prompt,
-                        response=text,
-                        session_id=session.session_id,
-                        seed=self.seed_of(i),
-                    )
-                    rows.append(with_input({**row, "reward": session.reward}, record))
-        add_advantages(rows)
-        return rows
+            if filtering:
+                rows[p]["filtered"] = not any(advantages)
 
 
 def restarts(pool: EnginePool) -> int:

@@ -49,7 +49,7 @@ def train_on_rollouts(
     rows = read_rows(rollout_dir)
     if not rows:
         raise ValueError(f"no rollouts in {rollout_dir}")
-    groups = groups_from_rows(rows)
+    groups = groups_from_rows(trained_rows(rows))
     step = get(policy.train_step.remote([g.model_dump() for g in groups]), timeout_s, "policy")
     mismatch = (
         "" if step.logprob_mismatch is None else f", logprob mismatch {step.logprob_mismatch:.4f}"
@@ -64,3 +64,11 @@ def train_on_rollouts(
         step.version,
     )
     return step
+
+
+def trained_rows(rows: list[dict]) -> list[dict]:
+    """The rows a step trains on. Dynamic sampling: those of groups with
+    learning signal; when no group has any (the refill rounds ran out), the
+    iteration's own rows, so the step still makes its version."""
+    kept = [row for row in rows if not row.get("filtered")]
+    return kept or [row for row in rows if not row.get("refill_round")]

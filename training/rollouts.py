@@ -82,13 +82,15 @@ class RolloutGroup(BaseModel):
 
 
 def groups_from_rows(rows: list[dict[str, Any]]) -> list[RolloutGroup]:
-    """One group per prompt from the rollout rows the flow writes (columns of
+    """One group per prompt (and refill round: dynamic sampling may sample a
+    prompt again) from the rollout rows the flow writes (columns of
     `tasks/run/records.py`: prompt_index, sample_index, prompt_token_ids,
     response_token_ids, response, logprobs, weight_version, reward, and for
     multi-turn rows loss_mask and token_versions)."""
-    by_prompt: dict[int, list[dict[str, Any]]] = {}
+    by_prompt: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for row in rows:
-        by_prompt.setdefault(int(row["prompt_index"]), []).append(row)
+        key = (int(row["prompt_index"]), int(row.get("refill_round") or 0))
+        by_prompt.setdefault(key, []).append(row)
     groups = []
     for index in sorted(by_prompt):
         samples = []

@@ -103,6 +103,9 @@ class BatchRunner:
         # Per-request seeds come from the engine's seed in call order, so a
         # fresh engine with the same seed replays the same tokens.
         self._rng = random.Random(config.seed)
+        # KV cache entries the batch running holds (its padded rows x their
+        # width): read by the actor's `load`, from another thread.
+        self.held_tokens = 0
 
     def new_request(
         self,
@@ -139,11 +142,18 @@ class BatchRunner:
 
     def run(self, batch: list[Request], next_step: Callable[[], bool]) -> list[RequestOutput]:
         """`next_step()` between two steps: False ends the batch (aborted)."""
+        try:
+            return self._run(batch, next_step)
+        finally:
+            self.held_tokens = 0
+
+    def _run(self, batch: list[Request], next_step: Callable[[], bool]) -> list[RequestOutput]:
         rows = [(request, seq) for request in batch for seq in request.sequences]
         version = self._version()
         for request in batch:
             request.versions = [version if request.pinned is None else request.pinned]
         out, mask, next_position = self._prefill(rows)
+        self.held_tokens = mask.numel()
         self._prompt_logprobs(rows, out.logits)
         active = [True] * len(rows)
         while True:
@@ -169,6 +179,7 @@ class BatchRunner:
                 out, mask, next_position = self._prefill(rows)
                 continue
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+            self.held_tokens = mask.numel()
             out = self._forward(
                 torch.tensor(next_tokens).unsqueeze(1),
                 mask,

@@ -32,6 +32,7 @@ from engines.base import (
 from engines.config import EngineConfig
 from engines.errors import EngineTimeoutError, RequestError
 from engines.hf.loop import GenerationLoop
+from engines.load import EngineLoad
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.spec import check_hf_kwargs
@@ -173,6 +174,13 @@ class HFEngine(RolloutEngine):
 
     async def get_num_unfinished_requests(self) -> int:
         return self._loop.unfinished()
+
+    async def load(self) -> EngineLoad:
+        running, waiting = self._loop.sequences()
+        # No paged cache here: the batch holds its padded rows' keys and
+        # values, out of the most it can hold (max_num_seqs rows of max_len).
+        capacity = self._loop.max_num_seqs * self.config.max_len
+        return EngineLoad(running, waiting, min(1.0, self._runner.held_tokens / capacity))
 
     async def health(self) -> dict[str, Any]:
         self._loop.raise_if_dead()

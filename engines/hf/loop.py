@@ -39,6 +39,7 @@ class GenerationLoop:
         self._cond = threading.Condition()
         self._pending: list[Request] = []
         self.running = 0  # requests in the batch running
+        self.running_seqs = 0  # their sequences (n each)
         self._stepping = False  # the thread is inside a step (a forward pass and sampling)
         self._frozen = False  # pause "keep": park before the next step
         self._aborting = False  # pause "abort": end the batch running
@@ -59,6 +60,11 @@ class GenerationLoop:
     def unfinished(self) -> int:
         with self._cond:
             return len(self._pending) + self.running
+
+    def sequences(self) -> tuple[int, int]:
+        """Sequences in the batch running, and queued for a later one."""
+        with self._cond:
+            return self.running_seqs, sum(request.params.n for request in self._pending)
 
     def freeze(self) -> None:
         """Park the thread before its next step; returns once it is in none
@@ -109,6 +115,7 @@ class GenerationLoop:
                         return
                     batch = self._take_batch()
                     self.running = len(batch)
+                    self.running_seqs = sum(request.params.n for request in batch)
                     self._stepping = True
                 try:
                     outputs = self._run_batch(batch, self._next_step)
@@ -120,7 +127,7 @@ class GenerationLoop:
                         request.loop.call_soon_threadsafe(_resolve, request.future, None, exc)
                 finally:
                     with self._cond:
-                        self.running = 0
+                        self.running = self.running_seqs = 0
                         self._stepping = self._aborting = False
                         self._cond.notify_all()
         except BaseException as exc:

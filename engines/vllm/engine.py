@@ -34,6 +34,7 @@ from engines.base import (
 )
 from engines.config import EngineConfig
 from engines.errors import RequestError
+from engines.load import EngineLoad
 from engines.outputs import RequestOutput
 from engines.startup import StartupClock, actor_clock
 from engines.vllm import forkserver
@@ -47,6 +48,7 @@ from engines.vllm.api import (
     worker_memory,
 )
 from engines.vllm.core import CoreCalls
+from engines.vllm.load import SchedulerLoad
 from engines.vllm.openai_app import AdmittedClient, openai_app
 from engines.vllm.startup_log import OwnLog, vllm_log_phases
 from engines.weight_sync.lora import adapter_versions
@@ -132,7 +134,10 @@ class VLLMEngine(RolloutEngine):
         clock.mark("engine arguments")
         if after:
             wait_turn(after, env.ready_timeout_s(), config.name, clock)
-        self.engine = api.AsyncLLM.from_engine_args(args, usage_context=api.UsageContext.LLM_CLASS)
+        self._load = SchedulerLoad()  # what the dispatcher admits work by
+        self.engine = api.AsyncLLM.from_engine_args(
+            args, usage_context=api.UsageContext.LLM_CLASS, stat_loggers=[self._load.stat_logger()]
+        )
         self._core = CoreCalls(self.engine, config.name)
         clock.mark("vLLM engine (tokenizer, weights, compile, CUDA graphs, KV cache)")
         # vLLM's own tokenizer (loaded once, by its renderer), not a second copy.
@@ -234,6 +239,9 @@ class VLLMEngine(RolloutEngine):
         Bound to the AsyncLLM it is built on: build it again after a `restart`."""
         app, self._http = openai_app(self)
         return app
+
+    async def load(self) -> EngineLoad:
+        return self._load.load(self.engine.output_processor.get_num_unfinished_requests())
 
     # --- control ------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:

@@ -1,9 +1,12 @@
-"""Pull-based dispatch of shards across engines.
+"""Pull-based dispatch of shards across engines, admitted by load.
 
-Each engine holds at most `per_engine` shards in flight and pulls the next
-shard from the queue as soon as one of its own finishes, so a slow or busy
-engine never holds the others back (an even split up front would make every
-engine wait for the slowest).
+Each engine pulls the next shard from the queue as soon as it has room, so a
+slow or busy engine never holds the others back (an even split up front
+would make every engine wait for the slowest). Its room is its window
+(`tasks.run.concurrency`), at most `per_engine`: after each of its shards the
+engine reports its load, and the window grows while nothing waits in its
+queue and its KV cache has room, and shrinks when requests wait or its
+shards slow down.
 
 A shard is handed to `on_done` (which writes it) only when every one of its
 requests has answered. When an engine dies or passes a shard's deadline, its
@@ -28,6 +31,10 @@ from tasks.engines import FETCH_TIMEOUT_S
 from tasks.run.pool import EnginePool
 from tasks.run.shards import Shard
 
+#: Deadline for an engine's load report (an answer from its event loop, no
+#: engine step): past it the engine keeps its window.
+LOAD_TIMEOUT_S = 10.0
+
 
 @dataclass(eq=False)
 class InFlight:
@@ -40,6 +47,8 @@ class InFlight:
     deadline: float
     #: The engine's restart count at the start: which engine at that index.
     restarts: int
+    #: Shards of this dispatch on the engine when it started, itself included.
+    sharing: int
     results: dict[int, Any] = field(default_factory=dict)
 
     @property
@@ -112,9 +121,12 @@ class Dispatcher:
 
     def fill(self) -> None:
         """Hand out shards round-robin, one per engine per pass, until every
-        live engine holds `per_engine` or the queue is empty."""
+        live engine holds its window or the queue is empty."""
+        windows = self.pool.windows
         while self.queue:
-            hungry = [e for e in self.pool.live() if self.load(e) < self.per_engine]
+            hungry = [
+                e for e in self.pool.live() if self.load(e) < windows.allowed(e, self.per_engine)
+            ]
             if not hungry:
                 return
             for engine in hungry[: len(self.queue)]:
@@ -123,12 +135,14 @@ class Dispatcher:
     def start(self, engine: int, shard: Shard) -> None:
         now = time.monotonic()
         refs = self.submit(engine, shard)
-        restarts = self.pool.stats[engine].restarts
-        flight = InFlight(shard, engine, refs, now, now + self.timeout_s, restarts)
+        stats = self.pool.stats[engine]
+        sharing = self.load(engine) + 1
+        flight = InFlight(shard, engine, refs, now, now + self.timeout_s, stats.restarts, sharing)
         self.flights.append(flight)
         self.owner.update({ref: (flight, pos) for pos, ref in enumerate(flight.refs)})
         self.busy_since.setdefault(engine, now)
-        self.pool.stats[engine].generate_calls += len(flight.refs)
+        stats.generate_calls += len(flight.refs)
+        stats.peak_shards = max(stats.peak_shards, sharing)
 
     def collect_one(self) -> None:
         """Wait for the next answer (or the nearest deadline) and file it."""
@@ -148,10 +162,22 @@ class Dispatcher:
                 raise type(exc)(f"prompts file entry {entry}: {exc}") from exc
             if flight.complete:
                 self.settle(flight)
+                seconds = time.monotonic() - flight.started
+                self.admit_by_load(flight, seconds)
                 ordered = [flight.results[i] for i in range(len(flight.refs))]
-                self.on_done(
-                    flight.shard, flight.engine, ordered, time.monotonic() - flight.started
-                )
+                self.on_done(flight.shard, flight.engine, ordered, seconds)
+
+    def admit_by_load(self, flight: InFlight, seconds: float) -> None:
+        """Set the engine's window by the load it reports now its shard is done."""
+        engine = flight.engine
+        self.pool.stats[engine].shards += 1
+        try:
+            load = get(
+                self.pool.engines[engine].load.remote(), LOAD_TIMEOUT_S, self.pool.name(engine)
+            )
+        except EngineFailure:
+            load = None  # its next requests say what happened to it
+        self.pool.windows.finished(engine, seconds, flight.sharing, load, self.per_engine)
 
     def expire(self) -> None:
         """An engine that did not finish a shard by its deadline counts as hung."""

@@ -155,9 +155,11 @@ class ClusterParams(BaseModel):
         description="Deadline for one shard on one engine; past it the engine counts as hung.",
     )
     shards_per_engine: int = Field(
-        2,
+        8,
         ge=1,
         le=64,
-        description="Shards in flight per engine. Engines pull the next shard as they finish "
-        "one, so a slow engine does not hold the others back.",
+        description="The most shards in flight per engine. Below it each engine's share "
+        "follows its load: more while no request waits in its queue and its KV cache has "
+        "room, less when requests wait or its shards slow down. Engines pull the next shard "
+        "as they finish one, so a slow engine does not hold the others back.",
     )

@@ -27,6 +27,7 @@ from engines import (
     swap_in_spare,
 )
 from engines.client import get
+from tasks.run.concurrency import EngineWindows
 
 
 @dataclass
@@ -37,6 +38,9 @@ class EngineStats:
     samples: int = 0
     tokens: int = 0
     generate_calls: int = 0
+    #: Shards it finished, and the most it held in flight at once.
+    shards: int = 0
+    peak_shards: int = 0
     busy_s: float = 0.0  # wall time with at least one shard in flight
     failures: int = 0
     restarts: int = 0
@@ -74,6 +78,8 @@ class EnginePool:
         # Replaced engines not yet serving, by index: when their replacement began.
         self.replacing_since: dict[int, float] = {}
         self.closed = False
+        # Shards each engine may hold in flight, set by its load.
+        self.windows = EngineWindows(len(engines))
         # Generation tasks run side by side (in_flight): one replaces at a time.
         self._replacing = threading.Lock()
 
@@ -168,6 +174,7 @@ class EnginePool:
                 self.started_at[index] = time.monotonic()
             stats.name = self.name(index)
             stats.restarts += 1
+            self.windows.reset(index)
             del self.failed[index]
         return replaced
 

@@ -84,6 +84,14 @@ class IterationProgress:
         self.rows, self.restarts = rows, restarts
         self._show()
 
+    def refill(self, rows: int, reused: int) -> None:
+        """Dynamic sampling refills the batch: `rows` more to generate, of
+        which `reused` are already on disk."""
+        self.total += rows
+        self.rows += reused
+        self.run.bars.update(self.bar, total=self.total)
+        self._show()
+
     def written(self, rows: int, tokens: int, restarts: int) -> None:
         """After a shard is written."""
         self.rows += rows

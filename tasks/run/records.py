@@ -59,6 +59,11 @@ def arrow_schema(input_columns=None):
             # A sample split from the one before it in its session, and why.
             ("split_reason", pa.string()),
             ("session_id", pa.string()),
+            # Dynamic sampling: the refill round that made the row (0: the
+            # iteration's own), and whether its group's rewards all agree
+            # (kept on disk, left out of the policy step).
+            ("refill_round", pa.int64()),
+            ("filtered", pa.bool_()),
         ]
         + list(input_columns or [])
     )
@@ -70,10 +75,16 @@ def output_columns() -> set[str]:
     return set(arrow_schema().names) | {"id", "label"}
 
 
-def request_seed(base_seed: int, iteration: int, prompt_index: int, num_prompts: int) -> int:
+#: Seeds of refill round r start r strides up: past any iteration's seeds.
+REFILL_SEED_STRIDE = 2**40
+
+
+def request_seed(
+    base_seed: int, iteration: int, prompt_index: int, num_prompts: int, refill_round: int = 0
+) -> int:
     """The seed of one request, unique within a run: the rollout of a prompt
     does not depend on which engine served it, or on which attempt."""
-    return base_seed + iteration * num_prompts + prompt_index
+    return base_seed + iteration * num_prompts + prompt_index + refill_round * REFILL_SEED_STRIDE
 
 
 def rows_for(
@@ -133,6 +144,8 @@ def rows_for(
                 ],
                 "split_reason": None,
                 "session_id": None,
+                "refill_round": 0,
+                "filtered": None,
             }
         )
     return rows
@@ -179,6 +192,8 @@ def trajectory_row(
         "turns": [turn.model_dump() for turn in sample.turns],
         "split_reason": sample.split_reason,
         "session_id": session_id,
+        "refill_round": 0,
+        "filtered": None,
     }
 
 

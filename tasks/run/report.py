@@ -37,6 +37,9 @@ class IterationMetrics:
     staleness_max: int | None = None
     #: Mean |policy - engine logprob| per token of the rows.
     logprob_mismatch: float | None = None
+    #: Dynamic sampling: the fraction of the groups generated (every refill
+    #: round's too) left out of the step, their rewards all agreeing.
+    filtered_fraction: float | None = None
 
     @classmethod
     def of(
@@ -48,17 +51,23 @@ class IterationMetrics:
         """From the generate task's report and, on an on-policy run, the
         policy step and the weight sync (`seconds`) that published its version."""
         rows, tokens, seconds = report.generated_rows, report.generated_tokens, report.seconds
+        rewards = rewards_of(report, step)
         return cls(
             iteration=report.iteration,
             rows=rows,
             generate_seconds=seconds,
             response_tokens=tokens / rows if rows else None,
             tokens_per_s=tokens / seconds if rows and seconds > 0 else None,
-            reward_mean=step.mean_reward if step else None,
-            reward_std=step.reward_std if step else None,
+            reward_mean=rewards[0] if rewards else None,
+            reward_std=rewards[1] if rewards else None,
             sync_seconds=synced.seconds if synced else None,
             staleness_max=step.staleness_max if step else None,
             logprob_mismatch=step.logprob_mismatch if step else None,
+            filtered_fraction=(
+                report.filtered_groups / report.groups
+                if report.filtered_groups is not None and report.groups
+                else None
+            ),
         )
 
     def scalars(self) -> dict[str, float]:
@@ -107,10 +116,11 @@ class TrainingRow:
         engine_idle_s: float,
         policy_idle_s: float,
     ) -> TrainingRow:
+        mean, std = rewards_of(report, step) or (step.mean_reward, step.reward_std)
         return cls(
             iteration=report.iteration,
-            mean_reward=round(step.mean_reward, 4),
-            reward_std=round(step.reward_std, 4),
+            mean_reward=round(mean, 4),
+            reward_std=round(std, 4),
             samples=step.samples,
             trained_samples=step.trained_samples,
             generate_seconds=report.seconds,
@@ -129,6 +139,15 @@ class TrainingRow:
         )
 
 
+def rewards_of(report: IterationReport, step: StepReport | None) -> tuple[float, float] | None:
+    """Mean and std of the rewards of the iteration's own samples: with
+    dynamic sampling the step sees only the groups it kept (never all right
+    or all wrong), whose mean is not the policy's."""
+    if report.reward_mean is not None and report.reward_std is not None:
+        return report.reward_mean, report.reward_std
+    return (step.mean_reward, step.reward_std) if step else None
+
+
 @dataclass(frozen=True)
 class Curve:
     field: str
@@ -144,6 +163,7 @@ CURVES = (
     Curve("sync_seconds", "weight sync (s)"),
     Curve("staleness_max", "staleness (versions, max)"),
     Curve("logprob_mismatch", "logprob mismatch (policy vs engine)"),
+    Curve("filtered_fraction", "groups filtered (no signal)"),
 )
 
 

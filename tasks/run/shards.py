@@ -32,23 +32,25 @@ class OutputMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
-    """Prompts `start` (inclusive) to `stop` (exclusive)."""
+    """Prompts `start` (inclusive) to `stop` (exclusive) of its round: the
+    iteration's prompts (round 0), or a refill round's (dynamic sampling)."""
 
     index: int
     start: int
     stop: int
+    round: int = 0
 
     def __len__(self) -> int:
         return self.stop - self.start
 
 
-def plan_shards(num_prompts: int, shard_size: int) -> list[Shard]:
+def plan_shards(num_prompts: int, shard_size: int, round: int = 0) -> list[Shard]:
     if num_prompts < 1 or shard_size < 1:
         raise ValueError(
             f"need num_prompts >= 1 and shard_size >= 1, got {num_prompts}, {shard_size}"
         )
     return [
-        Shard(index, start, min(start + shard_size, num_prompts))
+        Shard(index, start, min(start + shard_size, num_prompts), round)
         for index, start in enumerate(range(0, num_prompts, shard_size))
     ]
 
@@ -92,7 +94,9 @@ class ShardStore:
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def path(self, shard: Shard) -> Path:
-        return self.directory / f"shard-{shard.index:05d}.{self.suffix}"
+        # Refill rounds sort after the iteration's own shards ("r" > digits).
+        round_ = f"r{shard.round:02d}-" if shard.round else ""
+        return self.directory / f"shard-{round_}{shard.index:05d}.{self.suffix}"
 
     def is_done(self, shard: Shard) -> bool:
         return self.path(shard).exists()
@@ -104,6 +108,16 @@ class ShardStore:
         else:
             lines = (json.dumps(row, ensure_ascii=False, default=str) for row in rows)
             write_atomically(path, lines)
+
+    def read(self, shard: Shard, columns: list[str]) -> list[dict[str, Any]]:
+        """`columns` of a written shard's rows."""
+        path = self.path(shard)
+        if self.suffix == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path, columns=columns).to_pylist()
+        lines = path.read_text(encoding="utf-8").split("\n")  # as `read_rows`
+        return [{c: row.get(c) for c in columns} for row in map(json.loads, filter(None, lines))]
 
     def remove_partial_files(self) -> None:
         # Temporary files of an attempt that was killed mid-write: never read,

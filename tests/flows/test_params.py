@@ -73,6 +73,16 @@ def test_colocate_needs_a_policy_and_one_gpu_per_engine():
         params(colocate=True, reward="training.letter_task:reward", tensor_parallel_size=2)
 
 
+def test_dynamic_sampling_needs_a_policy_and_groups():
+    reward = "training.letter_task:reward"
+    assert params(dynamic_sampling=True, reward=reward, n=2).training.max_refill_rounds == 3
+    needs = "dynamic_sampling filters groups by their rewards: it needs an on-policy run"
+    with pytest.raises(ValidationError, match=needs):
+        params(dynamic_sampling=True, n=2)
+    with pytest.raises(ValidationError, match="n >= 2 samples per prompt, got n=1"):
+        params(dynamic_sampling=True, reward=reward, n=1)
+
+
 def test_schedule_and_its_staleness_bound():
     training = RolloutParams().training
     assert (training.schedule, training.staleness_bound) == ("sync", 0)

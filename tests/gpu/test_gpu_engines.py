@@ -18,6 +18,7 @@ from engines import (
     create_vllm_engines,
     destroy_engines,
 )
+from engines.load import EngineLoad
 
 pytestmark = pytest.mark.gpu
 
@@ -101,6 +102,27 @@ def test_concurrent_calls_share_batches(ray_gpu, engines):
     # Continuous batching: 16x the work in far less than 16x the time (eager
     # decoding of a small model is launch-bound, so a wider batch is nearly free).
     assert sixteen_calls < 4 * one_call
+
+
+def test_load_reports_vllms_scheduler(ray_gpu, engines):
+    """`load()` from vLLM's SchedulerStats: running sequences (n counts each)
+    and KV cache use while requests run, nothing once they are done."""
+    ray = ray_gpu
+    engine = engines[0]
+    assert ray.get(engine.load.remote(), timeout=TIMEOUT_S) == EngineLoad(0, 0, 0.0)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=1024, ignore_eos=True)
+    batch = [[5 + (i * 7 + j) % 250 for j in range(256)] for i in range(16)]
+    ref = engine.generate.remote(batch, params)
+
+    def every_sequence_in() -> EngineLoad | None:
+        load = ray.get(engine.load.remote(), timeout=TIMEOUT_S)
+        return load if load.running > 0 and load.running + load.waiting == 64 else None
+
+    seen = wait_until(every_sequence_in, TIMEOUT_S, "a load report with 64 sequences in")
+    print(f"load while generating: {seen}")
+    assert 0.0 < seen.kv_cache_usage <= 1.0
+    ray.get(ref, timeout=TIMEOUT_S)
+    assert ray.get(engine.load.remote(), timeout=TIMEOUT_S) == EngineLoad(0, 0, 0.0)
 
 
 def test_n_samples_and_seeds(ray_gpu, engines):

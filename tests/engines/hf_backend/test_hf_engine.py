@@ -17,6 +17,7 @@ from engines.base import warn_vocab_mismatch
 from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, RequestError
 from engines.hf import HFEngine
+from engines.load import EngineLoad
 from engines.sampling import SamplingParams
 
 PROMPT = [42, 71, 78, 78, 81, 14]
@@ -69,6 +70,31 @@ def test_greedy_is_deterministic_and_matches_top_k_1_and_tiny_top_p(engine):
     assert greedy == tokens(engine, PROMPT, temperature=0.0, max_tokens=10, ignore_eos=True)
     assert greedy == tokens(engine, PROMPT, top_k=1, max_tokens=10, ignore_eos=True, seed=1)
     assert greedy == tokens(engine, PROMPT, top_p=1e-6, max_tokens=10, ignore_eos=True, seed=2)
+
+
+def test_load_counts_sequences_and_the_cache_the_batch_holds(engine):
+    async def during_and_after():
+        params = SamplingParams(n=3, max_tokens=50, ignore_eos=True, seed=1)
+        call = asyncio.ensure_future(engine.generate([PROMPT, LONG_PROMPT], params))
+        deadline = time.monotonic() + 60
+        seen = await engine.load()
+        # Past the prefill: the batch holds its keys and values.
+        while not seen.kv_cache_usage and not call.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # polls the engine's thread, orders nothing
+            seen = await engine.load()
+        await call
+        # The thread answers the call, then clears its batch.
+        after = await engine.load()
+        while after.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            after = await engine.load()
+        return seen, after
+
+    seen, after = run(during_and_after())
+    assert (seen.running, seen.waiting) == (6, 0), seen
+    # Six padded rows of at least the longer prompt, of 64 rows x max_len 64.
+    assert 6 * len(LONG_PROMPT) / (64 * 64) <= seen.kv_cache_usage <= 6 * 64 / (64 * 64)
+    assert after == EngineLoad(0, 0, 0.0)
 
 
 def test_seed_n_and_max_tokens(engine):

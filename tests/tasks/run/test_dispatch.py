@@ -14,6 +14,7 @@ import ray
 
 from engines import EngineDeadError, EngineSet, EngineTimeoutError, PromptTooLongError
 from engines.config import EngineConfig
+from engines.load import EngineLoad
 from engines.outputs import CompletionOutput, RequestOutput
 from tasks.run.dispatch import run_shards
 from tasks.run.pool import EnginePool
@@ -23,11 +24,16 @@ from tasks.run.shards import plan_shards
 @ray.remote(num_cpus=0)
 class FakeEngine:
     """Answers `generate_text` after `delay_s`; with `die_on_call=k` its
-    process exits on the k-th request; `reject` fails requests for that prompt."""
+    process exits on the k-th request; `reject` fails requests for that prompt.
+    It runs `batch` requests at once; the rest wait (its load says so)."""
 
-    def __init__(self, name: str, delay_s: float = 0.0, die_on_call=None, reject=None):
+    def __init__(
+        self, name: str, delay_s: float = 0.0, die_on_call=None, reject=None, batch: int = 1000
+    ):
         self.name, self.delay_s, self.die_on_call, self.reject = name, delay_s, die_on_call, reject
-        self.calls = 0
+        self.calls = self.active = 0
+        self.batch = batch
+        self.room = asyncio.Semaphore(batch)
 
     async def generate_text(self, prompt, params):
         self.calls += 1
@@ -35,9 +41,18 @@ class FakeEngine:
             os._exit(1)
         if prompt == self.reject:
             raise PromptTooLongError("prompt 0 has 9999 tokens")
-        await asyncio.sleep(self.delay_s)
+        self.active += 1
+        try:
+            async with self.room:
+                await asyncio.sleep(self.delay_s)
+        finally:
+            self.active -= 1
         completion = CompletionOutput(0, [1, 2], "xy", "length")
         return RequestOutput("r", [3], [completion], weight_version=0, engine=self.name)
+
+    async def load(self):
+        running = min(self.active, self.batch)
+        return EngineLoad(running, self.active - running, running / self.batch)
 
 
 def fake_pool(*specs: dict) -> EnginePool:
@@ -145,3 +160,18 @@ def test_rejected_request_fails_at_once_naming_the_prompt(kill_fakes):
             pool, plan_shards(8, 2), recorder.submit, recorder.on_done, per_engine=1, timeout_s=60
         )
     assert not pool.failed  # not an engine failure: nothing to replace
+
+
+def test_queued_requests_keep_an_engine_below_its_cap(kill_fakes):
+    # fake-0 runs one request at a time: the others wait, so its window
+    # stays small; fake-1 has room and grows to the cap.
+    pool = fake_pool({"delay_s": 0.05, "batch": 1}, {"delay_s": 0.05})
+    kill_fakes(pool)
+    recorder = Recorder(pool)
+    shards = plan_shards(60, 2)
+    run_shards(pool, shards, recorder.submit, recorder.on_done, per_engine=4, timeout_s=60)
+    assert sorted(recorder.done) == list(range(len(shards)))
+    queued, roomy = pool.stats
+    assert queued.shards + roomy.shards == len(shards)
+    assert queued.peak_shards < roomy.peak_shards == 4, (queued, roomy)
+    assert roomy.shards > 2 * queued.shards, (queued, roomy)

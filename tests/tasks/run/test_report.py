@@ -4,6 +4,7 @@ markdown section and the terminal sparklines."""
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 
 import pytest
 from PIL import Image
@@ -137,3 +138,22 @@ def test_sparkline(values, line):
 @pytest.mark.parametrize("value, text", [(1917.6, "1918"), (0.07862, "0.0786"), (15.62, "15.6")])
 def test_compact(value, text):
     assert compact(value) == text
+
+
+def test_dynamic_sampling_shows_its_filtered_fraction_and_the_iterations_own_reward():
+    sampled = replace(
+        report(0), groups=48, filtered_groups=12, refill_rounds=2, reward_mean=0.5, reward_std=0.2
+    )
+    # The step saw only the groups it kept: its mean is not the policy's.
+    metrics = IterationMetrics.of(sampled, step(0.9))
+    assert (metrics.filtered_fraction, metrics.reward_mean, metrics.reward_std) == (
+        0.25,
+        0.5,
+        0.2,
+    )
+    assert "groups filtered (no signal)" in curves_markdown([metrics], None)
+    row = TrainingRow.of(sampled, step(0.9), None, engine_idle_s=0.0, policy_idle_s=0.0)
+    assert (row.mean_reward, row.reward_std) == (0.5, 0.2)
+    # Off: no such curve, the step's reward.
+    plain = IterationMetrics.of(report(0), step(0.9))
+    assert (plain.filtered_fraction, plain.reward_mean) == (None, 0.9)

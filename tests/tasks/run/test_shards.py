@@ -162,3 +162,22 @@ def test_parquet_shards_read_with_pandas_and_datasets(tmp_path):
     )
     assert loaded["src"] == ["gsm8k", "math"]
     assert loaded["prompt_index"] == [0, 1]
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
+def test_refill_rounds_are_shards_of_their_own_read_back_by_column(tmp_path, output_format):
+    store = ShardStore(tmp_path / "iter-000", output_format)
+    first, refill = plan_shards(2, 2)[0], plan_shards(1, 2, round=1)[0]
+    assert (first.index, refill.index, refill.round) == (0, 0, 1)
+    store.write(first, sample_rows(first))
+    assert not store.is_done(refill)  # the same index in another round
+    rows = sample_rows(refill)
+    for row in rows:
+        row.update(refill_round=1, filtered=True)
+    store.write(refill, rows)
+    assert store.path(refill).name == f"shard-r01-00000.{output_format}"
+    assert store.read(refill, ["prompt_index", "filtered"]) == [
+        {"prompt_index": 0, "filtered": True}
+    ]
+    # Read with the iteration, after its own shards.
+    assert [r["refill_round"] for r in read_rows(tmp_path / "iter-000")] == [0, 0, 1]
