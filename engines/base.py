@@ -24,6 +24,7 @@ from engines.errors import (
 from engines.openrlhf_agents import AgentApi
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
+from engines.serving import OpenAIServer
 from engines.startup import StartupClock, StartupReport
 from engines.weight_api import WeightApi
 from engines.weight_sync.session import WeightSync
@@ -124,6 +125,8 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
     backend: str = ""
     #: A `restart` in progress, or done (its outcome); `ready` waits for it.
     _restart: asyncio.Future | None = None
+    #: The OpenAI endpoint (`engines.serving`), kept across restarts: its port with it.
+    _openai: OpenAIServer | None = None
 
     def __init__(self, config: EngineConfig):
         # A backend's __init__(config, clock=None) starts its engine, timing
@@ -198,7 +201,36 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
         if self._restart is not None:
             await asyncio.shield(self._restart)
         await self.health()
+        await self._serve_openai()
         return self.config.name
+
+    async def openai_url(self) -> str | None:
+        """The engine's OpenAI endpoint, "http://<node ip>:<port>/v1" (started
+        if it was not yet); None without `config.openai_api`."""
+        if self._restart is not None:
+            await asyncio.shield(self._restart)
+        return await self._serve_openai()
+
+    async def _serve_openai(self) -> str | None:
+        if not self.config.openai_api:
+            return None
+        if self._openai is None:
+            self._openai = OpenAIServer(self.config.name)
+        if not self._openai.running:
+            await self._openai.start(
+                self._openai_app(), self.config.api_key, lambda: self.weight_version
+            )
+        return self._openai.url
+
+    async def _stop_openai(self) -> None:
+        """A backend's `shutdown` stops the endpoint first (a restart starts it again)."""
+        if self._openai is not None:
+            await self._openai.stop()
+
+    def _openai_app(self) -> Any:
+        """The backend's OpenAI routes as an ASGI app, without auth (see
+        engines/serving.py, which wraps and serves it)."""
+        raise RequestError(f"backend {self.backend!r} has no OpenAI endpoint yet")
 
     async def restart(self) -> None:
         """Begin starting the engine again inside this actor, after its engine

@@ -10,9 +10,18 @@ engine knob is one field here, read by the backend.
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 
 from engines.errors import EngineSpecError
 
@@ -83,6 +92,27 @@ class EngineSettings(Checked):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Backend engine arguments (vLLM's EngineArgs names)."
     )
+    openai_api: bool = Field(False, description="Serve the OpenAI API over HTTP (engines.serving).")
+    openai_api_key: SecretStr | None = Field(
+        None, description="The endpoint's bearer token; generated when openai_api and none given."
+    )
+    tool_call_parser: str | None = Field(
+        None, description="vLLM's: parses `tool_calls` out of chat answers, e.g. 'hermes'."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _api_key(cls, data: Any) -> Any:
+        # One token per set: the spec draws it, each engine's config copies it.
+        if isinstance(data, dict) and data.get("openai_api") and not data.get("openai_api_key"):
+            data = {**data, "openai_api_key": secrets.token_urlsafe(32)}
+        return data
+
+    @property
+    def api_key(self) -> str | None:
+        """The bearer token in clear (None when the endpoint is off)."""
+        key = self.openai_api_key if self.openai_api else None
+        return key.get_secret_value() if key is not None else None
 
     def settings(self) -> dict[str, Any]:
         """These settings alone, to build an engine's config from a spec."""

@@ -65,6 +65,11 @@ class EngineSet(list):
         # `<prefix>-<i>` past the engines, so sweeps by name find them too.
         self.next_index = len(handles)
 
+    @property
+    def api_key(self) -> str | None:
+        """The bearer token of the engines' OpenAI endpoints (None when off)."""
+        return self.template.api_key if self.template else None
+
 
 def resolve_backend(backend: str) -> str:
     has_vllm = importlib.util.find_spec("vllm") is not None

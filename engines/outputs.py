@@ -35,6 +35,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # The stop token id or stop string that ended the sample (None: EOS or length).
     stop_reason: int | str | None = None
+    # The weight version that sampled each token (None: the backend cannot tell).
+    token_versions: list[int] | None = None
 
 
 @dataclass

@@ -131,6 +131,7 @@ class EngineSetSpec(EngineSettings):
             kwargs["enable_sleep_mode"] = True
         if backend == "hf":
             check_hf_kwargs(kwargs)
+            check_hf_tool_parser(self.tool_call_parser)
         return kwargs
 
 
@@ -143,6 +144,15 @@ def check_hf_kwargs(kwargs: dict[str, Any]) -> None:
         raise EngineSpecError(
             f"logprobs_mode={mode!r} is not supported by backend 'hf'; use one of "
             f"{list(LOGPROBS_MODES)}"
+        )
+
+
+def check_hf_tool_parser(name: str | None) -> None:
+    from engines.hf.tool_parsers import TOOL_PARSERS
+
+    if name is not None and name not in TOOL_PARSERS:
+        raise EngineSpecError(
+            f"tool_call_parser={name!r} is not one of backend 'hf''s {sorted(TOOL_PARSERS)}"
         )
 
 

@@ -78,13 +78,21 @@ class EarlyEngines:
     started_at: float  # time.monotonic() when they were created
 
 
+def same_but_key(a: EngineSetSpec, b: EngineSetSpec) -> bool:
+    return a.model_copy(update={"openai_api_key": None}) == b.model_copy(
+        update={"openai_api_key": None}
+    )
+
+
 def start_early(spec: EngineSetSpec) -> EarlyEngines:
     return EarlyEngines(spec, start_engine_set(spec), time.monotonic())
 
 
 def take_early(early: EarlyEngines | None, spec: EngineSetSpec) -> EarlyEngines | None:
-    """`early` if they are what `spec` asks for; others are destroyed."""
-    if early is None or early.spec == spec:
+    """`early` if they are what `spec` asks for; others are destroyed. The
+    endpoint's token is each spec's own draw: the early engines keep theirs
+    (read it from `EngineSet.api_key`)."""
+    if early is None or same_but_key(early.spec, spec):
         return early
     destroy_engines(early.engines)
     return None
@@ -144,6 +152,9 @@ def wait_ready(pool: EnginePool, timeout_s: float) -> None:
                 raise
             pool.ready.add(index)
             pool.stats[index].startup_s = round(time.monotonic() - pool.started_at[index], 2)
+            if pool.engines.configs[index].openai_api:  # started by `ready`; a new one's may move
+                url = pool.engines[index].openai_url.remote()
+                pool.stats[index].openai_url = get(url, FETCH_TIMEOUT_S, pool.name(index))
 
 
 @task(
@@ -158,6 +169,9 @@ def wait_until_ready(pool: EnginePool, timeout_s: float) -> dict[str, float | No
         wait_ready(pool, timeout_s)
     startup = {s.name: s.startup_s for s in pool.stats}
     logger.info("engines ready; start-up seconds: %s", startup)
+    if pool.engines.api_key:
+        urls = {s.name: s.openai_url for s in pool.stats}
+        logger.info("engines' OpenAI endpoints (bearer token: the run's): %s", urls)
     if pool.engines.spares:
         # Started with the engines, so this costs little more than their start.
         pool.wait_spares(logger, timeout_s)

@@ -30,6 +30,7 @@ class Sequence:
     generator: torch.Generator
     budget: int
     token_ids: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # the version sampling each token
     logprobs: list[LogprobsPosition] | None = None
     cumulative: float = 0.0
     finish_reason: str | None = None
@@ -136,6 +137,7 @@ class BatchRunner:
             for i, (request, seq) in enumerate(rows):
                 if active[i]:
                     next_tokens[i] = self._step(request, seq, logits[i])
+                    seq.token_versions.append(version)
                     active[i] = seq.finish_reason is None
             if not any(active):
                 break
@@ -251,6 +253,7 @@ class BatchRunner:
                 logprobs=seq.logprobs,
                 cumulative_logprob=seq.cumulative,
                 stop_reason=seq.stop_reason,
+                token_versions=list(seq.token_versions),
             )
             for seq in request.sequences
         ]

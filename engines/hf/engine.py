@@ -211,7 +211,15 @@ class HFEngine(RolloutEngine):
             ) from exc
 
     async def shutdown(self) -> None:
+        # The generation first: requests in flight end (aborted) and are
+        # answered, so the server's graceful stop need not wait them out.
         self._loop.stop()
+        await self._stop_openai()
+
+    def _openai_app(self) -> Any:
+        from engines.hf.openai_app import build_app
+
+        return build_app(self)
 
     def _memory(self) -> dict[str, int]:
         device = self.worker.device

@@ -21,7 +21,7 @@ def publish_engine_table(pool: EnginePool) -> None:
         table=[stats.as_row() for stats in pool.stats],
         description="Per engine: prompts, tokens, tokens/s, failures, restarts, start-up "
         "time, and the last replacement (a warm spare or a new engine) with the seconds it "
-        "took to serve again.",
+        "took to serve again; each engine's OpenAI URL with openai_api.",
     )
 
 

@@ -85,6 +85,15 @@ class EngineParams(BaseModel):
         "them, then put to sleep. A spare takes a dead engine's place in seconds (woken and "
         "synced to the current weights first) instead of a cold start.",
     )
+    openai_api: bool = Field(
+        False,
+        description="Each engine serves the OpenAI API (chat, completions, tokenize) on its "
+        "node's address and a free port, behind a bearer token drawn for the run; the "
+        "engine table shows each URL.",
+    )
+    tool_call_parser: str | None = Field(
+        None, description="Parses tool calls out of chat answers (vLLM's names: 'hermes')."
+    )
 
 
 class OutputParams(BaseModel):

@@ -47,6 +47,8 @@ class EngineStats:
     #: (up, and synced to the policy's weights in an on-policy run).
     replaced_by: str | None = None
     replacement_s: float | None = None
+    #: The engine's OpenAI endpoint (run parameter openai_api), read once it is ready.
+    openai_url: str | None = None
 
     @property
     def tokens_per_s(self) -> float:

@@ -181,3 +181,27 @@ def test_engine_arguments_a_backend_refuses(model_dir, no_vllm_fields, kwargs, b
     )
     with pytest.raises(EngineSpecError, match=message):
         made.engine_kwargs_for(backend)
+
+
+def test_the_openai_endpoints_token_is_drawn_per_set_and_kept_secret(model_dir, no_vllm_fields):
+    made = EngineSetSpec(pretrain=model_dir, num_engines=2, max_len=128, openai_api=True)
+    key = made.api_key
+    assert key and len(key) >= 32 and key not in repr(made) and key not in str(made)
+    assert key not in made.model_dump_json()
+    other = EngineSetSpec(pretrain=model_dir, num_engines=2, max_len=128, openai_api=True)
+    assert other.api_key != key  # one per run
+    config = EngineConfig(**made.settings(), name="e-0", seed=1, rpc_timeout_s=5.0)
+    assert config.api_key == key and key not in repr(config)
+    given = EngineSetSpec(
+        pretrain=model_dir, num_engines=1, max_len=128, openai_api=True, openai_api_key="mine"
+    )
+    assert given.api_key == "mine"
+    off = EngineSetSpec(pretrain=model_dir, num_engines=1, max_len=128)
+    assert (off.openai_api, off.api_key) == (False, None)
+
+
+def test_the_cpu_backend_names_its_tool_call_parsers(model_dir, no_vllm_fields):
+    made = EngineSetSpec(pretrain=model_dir, num_engines=1, max_len=128, tool_call_parser="x")
+    with pytest.raises(EngineSpecError, match=r"tool_call_parser='x' is not one of .*'hermes'"):
+        made.engine_kwargs_for("hf")
+    assert made.engine_kwargs_for("vllm") == {}  # vLLM checks its own names

@@ -69,6 +69,7 @@ def test_the_flow_takes_the_engines_started_early_for_its_spec(spec, started, de
         {"engine_kwargs": {}},
         {"spare_engines": 1},
         {"placement": Placement(PlacementMode.WITH_TRAINER)},
+        {"openai_api": True},
     ],
 )
 def test_early_engines_for_another_spec_are_destroyed(spec, started, destroyed, change):
@@ -89,3 +90,12 @@ def test_every_field_of_the_engine_section_reaches_the_spec(spec, model_dir):
     assert engine_spec(fp8, pretrain=model_dir, backend="vllm", seed=42).quantization == "fp8"
     # `model` is the section's name for the spec's `pretrain` (resolved first).
     assert set(EngineParams.model_fields) - set(EngineSetSpec.model_fields) == {"model"}
+
+
+def test_early_engines_keep_their_own_endpoint_token(spec, started, destroyed, model_dir):
+    section = EngineParams(num_engines=2, max_len=256, openai_api=True, tool_call_parser="hermes")
+    first = engine_spec(section, pretrain=model_dir, backend="hf")
+    second = engine_spec(section, pretrain=model_dir, backend="hf")
+    assert first.api_key != second.api_key and first.tool_call_parser == "hermes"
+    early = start_early(first)
+    assert take_early(early, second) is early and destroyed == []
