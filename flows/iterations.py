@@ -20,6 +20,7 @@ from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
 from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
+from tasks.partial import PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
@@ -94,7 +95,9 @@ def run_iterations(
         training.staleness_bound,
         trains=policy_up is not None,
     )
-    generate = generate_rollouts.with_options(retries=params.cluster.engine_retries)
+    partial = training.schedule == "partial"
+    task = generate_partial_rollouts if partial else generate_rollouts
+    generate = task.with_options(retries=params.cluster.engine_retries)
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
     if policy_up is not None:
         running[policy_up] = ("policy", 0)
@@ -119,6 +122,9 @@ def run_iterations(
         while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
             pipeline.generation_started(i, now)
             plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None)
+            if partial:
+                groups = in_flight_groups(len(prompts), training.partial_in_flight)
+                plan = PartialPlan(plan, groups, max_wait=training.max_staleness)
             bar = progress.iteration(i, len(prompts) * params.sampling.n)
             running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)
         future = first_done(list(running))

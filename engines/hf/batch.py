@@ -122,8 +122,14 @@ class BatchRunner:
             seq.finish_reason = "abort"
         return self._output(request)
 
-    def run(self, batch: list[Request], next_step: Callable[[], bool]) -> list[RequestOutput]:
-        """`next_step()` between two steps: False ends the batch (aborted)."""
+    def run(
+        self,
+        batch: list[Request],
+        next_step: Callable[[], bool],
+        answer: Callable[[Request, RequestOutput], None],
+    ) -> list[RequestOutput]:
+        """`next_step()` between two steps: False ends the batch (aborted).
+        `answer(request, output)` as soon as a request's samples all ended."""
         rows = [(request, seq) for request in batch for seq in request.sequences]
         version = self._version()
         for request in batch:
@@ -131,6 +137,7 @@ class BatchRunner:
         out, mask, next_position = self._prefill(rows)
         self._prompt_logprobs(rows, out.logits)
         active = [True] * len(rows)
+        waiting = list(batch)  # not answered yet
         while True:
             logits = out.logits[:, -1, :].float().cpu()
             next_tokens = [self.pad_id] * len(rows)
@@ -139,6 +146,10 @@ class BatchRunner:
                     next_tokens[i] = self._step(request, seq, logits[i])
                     seq.token_versions.append(version)
                     active[i] = seq.finish_reason is None
+            for request in waiting:
+                if all(seq.finish_reason is not None for seq in request.sequences):
+                    answer(request, self._output(request))
+            waiting = [r for r in waiting if any(s.finish_reason is None for s in r.sequences)]
             if not any(active):
                 break
             if not next_step():  # aborted (or shutting down)

@@ -1,9 +1,11 @@
 """The CPU backend's generation thread: the queue of requests, the batch it
 runs (`engines.hf.batch`), and the pause flags it obeys between two steps.
 
-Static batching: requests arriving mid-batch wait for the next batch. The
-actor's event loop submits, pauses and stops; the thread answers each
-request's future on that loop.
+Static batching: requests arriving mid-batch wait for the next batch; a
+request is answered as soon as its own samples end, not when its batch does
+(a long-tailed batch would hold every short answer back). The actor's event
+loop submits, pauses and stops; the thread answers each request's future on
+that loop.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Runs one batch; the callable it is given says, between two steps, whether
-#: to go on (False: the batch is aborted, or the engine shuts down).
-RunBatch = Callable[["list[Request]", Callable[[], bool]], list[RequestOutput]]
+#: Runs one batch; the first callable it is given says, between two steps,
+#: whether to go on (False: the batch is aborted, or the engine shuts down);
+#: the second answers one request whose samples all ended.
+Answer = Callable[["Request", RequestOutput], None]
+RunBatch = Callable[["list[Request]", Callable[[], bool], Answer], list[RequestOutput]]
 
 
 class GenerationLoop:
@@ -111,7 +115,7 @@ class GenerationLoop:
                     self.running = len(batch)
                     self._stepping = True
                 try:
-                    outputs = self._run_batch(batch, self._next_step)
+                    outputs = self._run_batch(batch, self._next_step, _answer)
                     for request, output in zip(batch, outputs, strict=True):
                         request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
                 except Exception as exc:  # noqa: BLE001 - handed to each caller
@@ -157,6 +161,10 @@ class GenerationLoop:
                 self._cond.wait()
             self._stepping = True
             return not (self._stopping or self._aborting)
+
+
+def _answer(request: Request, output: RequestOutput) -> None:
+    request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
 
 
 def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) -> None:

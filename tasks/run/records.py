@@ -36,6 +36,9 @@ def arrow_schema(input_columns=None):
             # Every version the request ran under (more than one: a sync
             # landed while it was in flight).
             ("weight_versions", pa.list_(pa.int64())),
+            # Per response token: the version that sampled it (null: the
+            # backend cannot tell).
+            ("token_versions", pa.list_(pa.int64())),
             ("seed", pa.int64()),
             ("reward", pa.float64()),
             ("advantage", pa.float64()),
@@ -96,6 +99,7 @@ def rows_for(
                 "engine": output.engine,
                 "weight_version": output.weight_version,
                 "weight_versions": list(output.weight_versions),
+                "token_versions": sample.token_versions,
                 "seed": seed,
                 "reward": None,
                 "advantage": None,
