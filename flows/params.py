@@ -168,15 +168,16 @@ class TrainingParams(BaseModel):
         ge=0,
         le=1000,
         description="overlap / in_flight: versions a row may lag the policy that trains on "
-        "it (at least 1); partial: iterations a group may wait for its batch (then it is "
-        "dropped). 'sync' is strictly on-policy (0).",
+        "it (at least 1); partial: iterations a group may wait for its batch (then the "
+        "iteration waits for it). 'sync' is strictly on-policy (0).",
     )
     partial_in_flight: float = Field(
-        2.0,
+        1.5,
         ge=1.0,
-        le=64.0,
+        le=2.0,
         description="partial: groups kept generating, as a multiple of the batch (the "
-        "prompts file's rows); a step takes the first batch of them to complete.",
+        "prompts file's rows; at most 2, so the groups at their wait bound fit in one "
+        "batch); a step takes the first batch of them to complete.",
     )
     iterations: int = Field(
         1,

@@ -5,10 +5,16 @@ Iteration j keeps `in_flight` groups generating: the groups carried from
 j - 1 (their unfinished samples resume under the new weights), then new
 ones. It takes the first `batch` groups to complete (the batch `sync` trains
 on: one per prompt of the prompts file), aborts what still runs, and carries
-the rest to j + 1 (`<run>/partial/carry-<j>.json`). A group started at
-iteration o is trained at step j only if j - o <= max_wait (the run's
-max_staleness, which the policy checks too); older ones are dropped and their
-place goes to new groups.
+the rest to j + 1 (`<run>/partial/carry-<j>.json`).
+
+The wait bound (max_wait, the run's max_staleness, which the policy checks
+too): a group started at iteration o is due at o + max_wait. Iteration j
+stops only when its due groups are complete as well, and takes them first.
+So every group started is trained (none dropped: dropping would bias the
+batches toward short samples, the long ones never finishing), by a policy
+at most max_wait versions past its oldest token, and one sample spans at
+most max_wait + 1 versions. With in_flight <= 2 x batch the due groups
+always fit in one batch.
 
 Exactly once: the carry of j is written before j's rows, and a group is in
 one of them only. A retry of j finds j's rows written (done) or not (it
@@ -50,14 +56,18 @@ class PartialPlan:
     """Plain data: one iteration of partial rollouts."""
 
     generation: GenerationPlan
-    #: Groups generating at once (>= the batch: the prompts file's rows).
+    #: Groups generating at once (batch to 2 x batch; the batch: the prompts file's rows).
     in_flight: int
     #: Iterations a group may wait for its batch (the run's max_staleness).
     max_wait: int
 
 
 def in_flight_groups(batch: int, factor: float) -> int:
-    return max(batch, math.ceil(batch * factor))
+    """Groups kept generating: at most 2 x batch, so that the groups due at
+    their wait bound (carried ones, at most in_flight - batch) fit in a batch."""
+    if not 1.0 <= factor <= 2.0:
+        raise ValueError(f"partial_in_flight must be in [1, 2], got {factor!r}")
+    return min(2 * batch, max(batch, math.ceil(batch * factor)))
 
 
 def group_seed(base_seed: int, iteration: int, slot: int, in_flight: int) -> int:
@@ -136,7 +146,7 @@ def generate_partial_rollouts(
             **report, shards_skipped=1, seconds=0.0, generated_rows=0, generated_tokens=0
         )
     carried = carry.load(g.iteration - 1)
-    kept = [c for c in carried if g.iteration - c.origin <= plan.max_wait]
+    due = [c for c in carried if g.iteration - c.origin >= plan.max_wait]
     runner = SegmentRunner(
         pool,
         prompts.texts,
@@ -145,27 +155,27 @@ def generate_partial_rollouts(
         timeout_s=g.cluster.request_timeout_s,
         abort_timeout_s=g.cluster.ready_timeout_s,
     )
-    completed = runner.run(groups_for(plan, prompts, kept))
-    if len(completed) < batch:
-        raise RuntimeError(
-            f"iteration {g.iteration}: {len(completed)} of {batch} groups completed "
-            f"with {plan.in_flight} in flight"
-        )
-    taken = completed[:batch]
+    completed = runner.run(groups_for(plan, prompts, carried), due)
+    due_ids = {id(group) for group in due}
+    taken = (due + [group for group in completed if id(group) not in due_ids])[:batch]
     taken_ids = {id(group) for group in taken}
+    if len(taken) < batch or not due_ids <= taken_ids or not all(t.complete for t in taken):
+        raise RuntimeError(
+            f"iteration {g.iteration}: {len(completed)} of {batch} groups completed, "
+            f"{len(due)} due, with {plan.in_flight} in flight"
+        )
     left = [group for group in runner.groups if id(group) not in taken_ids]
     carry.write(g.iteration, left)
     rows, reward_s = write_rows(store, shard, prompts, g, taken, scorer)
     counts = runner.counts
     progress.written(len(rows), counts.tokens, restarts(pool))
     logger.info(
-        "iteration %d: %d groups taken, %d carried, %d dropped after %d iterations; "
+        "iteration %d: %d groups taken (%d at their wait bound), %d carried; "
         "%d segments (%d resumed, %d aborted), %d tokens",
         g.iteration,
         len(taken),
+        len(due),
         len(left),
-        len(carried) - len(kept),
-        plan.max_wait,
         counts.sent,
         counts.resumed,
         counts.aborted,
@@ -196,14 +206,18 @@ def write_rows(
     for position, group in enumerate(taken):
         record = prompts.records[group.prompt_index]
         output = group.output(f"partial-{group.origin}-{group.slot}")
-        for row in rows_for(
+        made = rows_for(
             output,
             iteration=g.iteration,
             prompt_index=position,
             prompt=record.prompt,
             seed=group.seed,
             with_logprobs=g.sampling.logprobs is not None,
-        ):
+        )
+        for row, sample in zip(made, group.samples, strict=True):
+            # The sample's own versions, not its group's (rows_for's).
+            versions = sample.all_versions()
+            row.update(weight_version=versions[0], weight_versions=versions)
             rows.append(with_input(row, record))
             inputs.append(record)
     reward_s = 0.0

@@ -1,7 +1,8 @@
 """One iteration of partial rollouts on the engines: the samples of every
 group in flight are sent as segments (`tasks.run.segments`), each to the
-live engine with the fewest samples in flight; once `batch` groups are complete the
-engines abort what still runs (`pause_generation(mode="abort")` answers each
+live engine with the fewest samples in flight; once `batch` groups are
+complete, and every group at its wait bound too, the engines abort what
+still runs (`pause_generation(mode="abort")` answers each
 request with its tokens so far) and the unfinished samples wait for the next
 iteration. A segment lost with its engine (dead or past its deadline) is
 sent again, from the sample's tokens before it, to a surviving engine.
@@ -64,16 +65,19 @@ class SegmentRunner:
         self.batch, self.timeout_s, self.abort_timeout_s = batch, timeout_s, abort_timeout_s
         self.flights: dict[Any, Segment] = {}
         self.groups: list[GroupState] = []
+        self.due: list[GroupState] = []
         self.completed: list[GroupState] = []
         self.counts = SegmentCounts()
         self.stopping = False
 
-    def run(self, groups: list[GroupState]) -> list[GroupState]:
+    def run(self, groups: list[GroupState], due: list[GroupState] = ()) -> list[GroupState]:
         """Complete groups in the order they completed (already complete ones
-        first); the caller takes the first `batch` and carries the rest."""
+        first). The engines stop once `batch` groups are complete and every
+        group of `due` (those at their wait bound) too."""
         self.groups = list(groups)
+        self.due = list(due)
         self.completed = [g for g in groups if g.complete]
-        self.stopping = len(self.completed) >= self.batch
+        self.stopping = self.enough()
         try:
             if not self.stopping:
                 for group in groups:
@@ -150,8 +154,11 @@ class SegmentRunner:
             self.send(group, unfinished)
         if group.complete:
             self.completed.append(group)
-            if len(self.completed) >= self.batch and not self.stopping:
+            if not self.stopping and self.enough():
                 self.stop()
+
+    def enough(self) -> bool:
+        return len(self.completed) >= self.batch and all(g.complete for g in self.due)
 
     def stop(self) -> None:
         """The batch is complete: every engine ends what it runs now; the

@@ -104,6 +104,10 @@ class SampleState:
         self.finish_reason, self.stop_reason = sample.finish_reason, sample.stop_reason
         self.segments += 1
 
+    def all_versions(self) -> list[int]:
+        """Every version a segment of the sample ran under, oldest first."""
+        return sorted(set(self.versions) | set(self.token_versions))
+
     def completion(self) -> CompletionOutput:
         logprobs = None
         if self.positions is not None:
@@ -144,7 +148,7 @@ class GroupState:
         """The group as one engine answer (for `tasks.run.records.rows_for`):
         its oldest version, every version any token or segment ran under, and
         every engine that served a segment."""
-        versions = sorted({v for s in self.samples for v in s.versions + s.token_versions})
+        versions = sorted({v for s in self.samples for v in s.all_versions()})
         engines = sorted({e for s in self.samples for e in s.engines})
         return RequestOutput(
             request_id=request_id,
