@@ -95,8 +95,7 @@ def run_iterations(
         training.staleness_bound,
         trains=policy_up is not None,
     )
-    partial = training.schedule == "partial"
-    task = generate_partial_rollouts if partial else generate_rollouts
+    task = generate_partial_rollouts if training.schedule == "partial" else generate_rollouts
     generate = task.with_options(retries=params.cluster.engine_retries)
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
     if policy_up is not None:
@@ -121,10 +120,7 @@ def run_iterations(
             running[future] = ("train", i)
         while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
             pipeline.generation_started(i, now)
-            plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None)
-            if partial:
-                groups = in_flight_groups(len(prompts), training.partial_in_flight)
-                plan = PartialPlan(plan, groups, max_wait=training.max_staleness)
+            plan = iteration_plan(params, run_dir, i, len(prompts), on_policy=policy_up is not None)
             bar = progress.iteration(i, len(prompts) * params.sampling.n)
             running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)
         future = first_done(list(running))
@@ -168,6 +164,19 @@ def first_done(futures: list[PrefectConcurrentFuture]) -> PrefectConcurrentFutur
         )
         if done:
             return by_wrapped[next(iter(done))]
+
+
+def iteration_plan(
+    params: RolloutParams, run_dir: Path, iteration: int, prompts: int, *, on_policy: bool
+) -> GenerationPlan | PartialPlan:
+    """What the iteration's generation task gets: under `partial` the plan
+    with the groups kept generating and the wait bound."""
+    plan = generation_plan(params, run_dir, iteration, on_policy=on_policy)
+    training = params.training
+    if training.schedule != "partial":
+        return plan
+    groups = in_flight_groups(prompts, training.partial_in_flight)
+    return PartialPlan(plan, groups, max_wait=training.max_staleness)
 
 
 def generation_plan(
