@@ -20,6 +20,7 @@ from engines import EngineFailure, EngineTimeoutError, RequestError
 from engines.client import get
 from engines.sampling import SamplingParams
 from tasks.engines import FETCH_TIMEOUT_S
+from tasks.run.dispatch import cancel
 from tasks.run.pool import EnginePool
 from tasks.run.segments import GroupState, SampleState
 
@@ -87,8 +88,7 @@ class SegmentRunner:
         finally:
             # Any exit with segments out (an error, the flow cancelled):
             # stop the engines' work rather than let it run on.
-            for ref in self.flights:
-                ray.cancel(ref)
+            cancel(list(self.flights))
         return self.completed
 
     def send(self, group: GroupState, samples: list[SampleState]) -> None:
@@ -112,6 +112,7 @@ class SegmentRunner:
         handle = self.pool.engines[engine]
         if samples[0].segments == 0:
             ref = handle.generate_text.remote(self.texts[group.prompt_index], params)
+            self.pool.stats[engine].prompts += 1
         else:
             ref = handle.generate.remote(samples[0].prompt(), params)
             self.counts.resumed += 1
@@ -147,7 +148,9 @@ class SegmentRunner:
             sample.absorb(output, completion)
             self.counts.tokens += len(completion.token_ids)
             self.pool.stats[flight.engine].tokens += len(completion.token_ids)
-            if not sample.done:
+            if sample.done:
+                self.pool.stats[flight.engine].samples += 1
+            else:
                 self.counts.aborted += 1
                 unfinished.append(sample)
         if unfinished and not self.stopping:  # stopped by something else (a pause by hand)
@@ -174,8 +177,9 @@ class SegmentRunner:
         engine = failed.engine
         self.pool.mark_failed(engine, error, failed.restarts)
         lost = [failed] + [f for f in self.flights.values() if f.engine == engine]
-        for ref in [r for r, f in self.flights.items() if f.engine == engine]:
-            ray.cancel(ref)
+        refs = [r for r, f in self.flights.items() if f.engine == engine]
+        cancel(refs)
+        for ref in refs:
             del self.flights[ref]
         if self.stopping:
             return  # they stay unfinished: carried with the tokens they had
