@@ -49,6 +49,8 @@ class Request:
     # The weight versions it was generated under (set when its batch starts).
     versions: list[int] = field(default_factory=list)
     prompt_logprobs: list[LogprobsPosition | None] | None = None
+    #: Its future was answered (as soon as its samples ended, on the generation thread).
+    answered: bool = False
 
 
 def sequence_seed(request_seed: int, index: int) -> int:

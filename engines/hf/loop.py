@@ -117,11 +117,13 @@ class GenerationLoop:
                 try:
                     outputs = self._run_batch(batch, self._next_step, _answer)
                     for request, output in zip(batch, outputs, strict=True):
-                        request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
+                        if not request.answered:
+                            _answer(request, output)
                 except Exception as exc:  # noqa: BLE001 - handed to each caller
                     logger.exception("engine %s: batch failed", self.engine)
                     for request in batch:
-                        request.loop.call_soon_threadsafe(_resolve, request.future, None, exc)
+                        if not request.answered:
+                            request.loop.call_soon_threadsafe(_resolve, request.future, None, exc)
                 finally:
                     with self._cond:
                         self.running = 0
@@ -164,6 +166,9 @@ class GenerationLoop:
 
 
 def _answer(request: Request, output: RequestOutput) -> None:
+    """Answer once: the caller's event loop may be gone after (a caller of
+    `asyncio.run` per request)."""
+    request.answered = True
     request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
 
 
