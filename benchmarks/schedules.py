@@ -1,11 +1,17 @@
-"""The three schedules of the on-policy flow side by side: `sync`, `overlap`
-and `in_flight`, each one real run of the rollout flow on the same task
-(the letter task, training/letter_task.py), seed and settings, one after the
-other in this process. Not a test: it prints numbers.
+"""The schedules of the on-policy flow side by side: `sync`, `overlap`,
+`in_flight` and `partial`, each one real run of the rollout flow on the same
+task, seed and settings, one after the other in this process. Not a test:
+it prints numbers. Tasks (`--workload`): the letter task
+(training/letter_task.py), or the long-tail length mix (training/long_tail.py:
+5% of the rows run to 8192 tokens / --scale, the others end within 512 /
+--scale; sampled with ignore_eos), where `--sync-seeds 3` runs `sync` three
+times for the reward's spread.
 
     python benchmarks/schedules.py                      # CPU: the tiny model, hf engines
     python benchmarks/schedules.py --backend vllm --gpu-model --prompts 64 --n 16 \\
         --max-tokens 96 --steps 6 --json schedules.json  # 2 GPUs: engine / policy
+    python benchmarks/schedules.py --workload long-tail --schedules sync,partial \\
+        --sync-seeds 3 --scale 32 --prompts 16 --n 4 --steps 6   # CPU, small scale
 
 Per schedule: training steps per hour over the iterations (start-up excluded:
 engines and policy load once per run), the ratio to `sync`, the reward after
@@ -31,7 +37,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-SCHEDULES = ("sync", "overlap", "in_flight")
+SCHEDULES = ("sync", "overlap", "in_flight", "partial")
+WORKLOADS = ("letter", "long-tail")
+LETTER_REWARD = "training.letter_task:reward"
 #: The GPU tests' model (tests/gpu/gpu_helpers.py).
 GPU_MODEL_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16", init_std=0.02)
 
@@ -48,11 +56,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=0.02)
     parser.add_argument(
         "--reward",
-        default="training.letter_task:reward",
+        default=LETTER_REWARD,
         help="reward import path; the letter task's saturates (groups agree, steps train on "
         "nothing), training.rewards:target_chars_fraction keeps every group's signal",
     )
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--workload", choices=WORKLOADS, default="letter")
+    parser.add_argument(
+        "--scale", type=int, default=1, help="long-tail: divide every length by this (CPU: 32)"
+    )
+    parser.add_argument(
+        "--partial-wait",
+        type=int,
+        default=4,
+        help="partial: iterations a group may wait (its max_staleness)",
+    )
+    parser.add_argument("--partial-in-flight", type=float, default=1.5)
+    parser.add_argument(
+        "--sync-seeds", type=int, default=1, help="runs of sync (seeds seed, seed+1, ...)"
+    )
+    parser.add_argument(
+        "--colocate", action="store_true", help="vLLM: the policy on the engines' GPU"
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
         "--warmup",
@@ -92,10 +117,13 @@ def build_model(args: argparse.Namespace, workdir: Path) -> str:
     return str(ensure_tiny_model())
 
 
-def params_for(args: argparse.Namespace, schedule: str, model: str, prompts: Path, out: Path):
+def params_for(
+    args: argparse.Namespace, schedule: str, model: str, prompts: Path, out: Path, seed: int
+):
     from flows.params import RolloutParams, sectioned
 
     on_gpu = args.backend == "vllm"
+    staleness = {"partial": args.partial_wait, "sync": None}.get(schedule, args.max_staleness)
     fields = dict(
         prompts_path=str(prompts),
         label_field="answer",
@@ -109,16 +137,21 @@ def params_for(args: argparse.Namespace, schedule: str, model: str, prompts: Pat
         max_len=max(128, args.max_tokens + 64),
         iterations=args.steps,
         learning_rate=args.learning_rate,
-        seed=args.seed,
+        seed=seed,
         schedule=schedule,
         dynamic_sampling=args.dynamic_sampling,
-        **({"max_staleness": args.max_staleness} if schedule != "sync" else {}),
+        **({"max_staleness": staleness} if staleness is not None else {}),
         shard_size=max(1, args.prompts // (2 * args.num_engines)),
         output_dir=str(out),
         output_format="jsonl",
         gpu_memory_utilization=0.3 if on_gpu else 0.85,
         engine_kwargs={"enforce_eager": True} if on_gpu and args.enforce_eager else {},
+        partial_in_flight=args.partial_in_flight,
     )
+    if args.workload == "long-tail":
+        fields["ignore_eos"] = True  # each sample runs its row's max_tokens
+    if args.colocate:
+        fields["colocate"] = True
     return RolloutParams.model_validate(sectioned(fields))
 
 
@@ -136,6 +169,7 @@ def run_one(params) -> dict:
 
     return {
         "schedule": params.training.schedule,
+        "seed": params.sampling.seed,
         "steps": len(rows),
         "iterations_s": summary.iterations_seconds,
         "steps_per_hour": len(rows) * 3600 / summary.iterations_seconds,
@@ -150,24 +184,30 @@ def run_one(params) -> dict:
         "sync_s": mean("sync_seconds"),
         "engine_idle_s": mean("engine_idle_seconds"),
         "policy_idle_s": mean("policy_idle_seconds"),
+        # The share of the run's wall time no generation ran.
+        "engine_idle_fraction": sum(row.engine_idle_seconds or 0.0 for row in rows)
+        / summary.iterations_seconds,
     }
 
 
 def table(results: list[dict]) -> str:
-    base = next((r for r in results if r["schedule"] == "sync"), results[0])
+    syncs = [r["steps_per_hour"] for r in results if r["schedule"] == "sync"]
+    base = statistics.fmean(syncs) if syncs else results[0]["steps_per_hour"]
     header = (
-        f"{'schedule':<10} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} {'trained':>7} "
-        f"{'gen s':>6} {'train s':>7} {'sync s':>6} {'eng idle':>8} {'pol idle':>8}"
+        f"{'schedule':<10} {'seed':>4} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
+        f"{'trained':>7} {'gen s':>6} {'train s':>7} {'sync s':>6} {'eng idle':>8} "
+        f"{'idle %':>6} {'pol idle':>8}"
     )
     lines = [header]
     for r in results:
         lines.append(
-            f"{r['schedule']:<10} {r['steps_per_hour']:>8.0f} "
-            f"{r['steps_per_hour'] / base['steps_per_hour']:>6.2f}x "
+            f"{r['schedule']:<10} {r['seed']:>4} {r['steps_per_hour']:>8.0f} "
+            f"{r['steps_per_hour'] / base:>6.2f}x "
             f"{r['reward_first']:>5.3f}->{r['reward_last']:<6.3f} {r['staleness_max']:>5} "
             f"{r['trained_samples']:>7} "
             f"{r['generate_s']:>6.2f} {r['train_s']:>7.2f} {r['sync_s']:>6.3f} "
-            f"{r['engine_idle_s']:>8.2f} {r['policy_idle_s']:>8.2f}"
+            f"{r['engine_idle_s']:>8.2f} {100 * r['engine_idle_fraction']:>5.1f}% "
+            f"{r['policy_idle_s']:>8.2f}"
         )
     return "\n".join(lines)
 
@@ -197,12 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from prefect.testing.utilities import prefect_test_harness
 
-    from training.letter_task import make_rows
-
     workdir = Path(tempfile.mkdtemp(prefix="rolloutflow-schedules-"))
     os.environ.setdefault("PREFECT_HOME", str(workdir / "prefect"))
-    prompts = workdir / "letter_task.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in make_rows(args.prompts, args.seed)))
+    prompts = write_prompts(args, workdir)
     model = build_model(args, workdir)
     where = (
         "GPU: vLLM engines, the policy on a GPU of its own (NCCL sync)"
@@ -211,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         "not the GPU figures of docs/benchmarks.md"
     )
     print(
-        f"{where}\nletter task: {args.prompts} prompts x {args.n} samples, {args.max_tokens} "
-        f"tokens, {args.steps} steps, {args.num_engines} engines, model {model}",
+        f"{where}\n{args.workload}: {args.prompts} prompts x {args.n} samples, up to "
+        f"{args.max_tokens} tokens, {args.steps} steps, {args.num_engines} engines, model {model}",
         flush=True,
     )
     ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="bench-schedules")
@@ -225,16 +262,18 @@ def main(argv: list[str] | None = None) -> int:
                 # the host's caches: 4.7 s against 1 s for the first generation
                 # on the H200s) that would count against whichever schedule
                 # came first; a one-step run pays them for all.
-                warmup = params_for(args, "sync", model, prompts, workdir / "out" / "warmup")
+                warmup = params_for(
+                    args, "sync", model, prompts, workdir / "out" / "warmup", args.seed
+                )
                 run_one(
                     warmup.model_copy(
                         update={"training": warmup.training.model_copy(update={"iterations": 1})}
                     )
                 )
                 print("warm-up run: done", flush=True)
-            for schedule in schedules:
-                out = workdir / "out" / schedule
-                results.append(run_one(params_for(args, schedule, model, prompts, out)))
+            for schedule, seed in runs(args, schedules):
+                out = workdir / "out" / f"{schedule}-{seed}"
+                results.append(run_one(params_for(args, schedule, model, prompts, out, seed)))
                 print(f"{schedule}: done ({results[-1]['iterations_s']:.1f} s)", flush=True)
                 # After each run: a command cut at its time limit keeps what ran.
                 report(args, results, time.monotonic() - began)
@@ -243,8 +282,53 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def write_prompts(args: argparse.Namespace, workdir: Path) -> Path:
+    """The workload's prompts file; the long tail sets the run's max_tokens
+    to its longest row (each row's own max_tokens is what a sample runs)."""
+    if args.workload == "long-tail":
+        from training import long_tail
+
+        rows = long_tail.make_rows(args.prompts, args.seed, args.scale)
+        args.max_tokens = max(row["max_tokens"] for row in rows)
+        if args.reward == LETTER_REWARD:
+            args.reward = "training.rewards:target_chars_fraction"
+    else:
+        from training.letter_task import make_rows
+
+        rows = make_rows(args.prompts, args.seed)
+    prompts = workdir / f"{args.workload}.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return prompts
+
+
+def runs(args: argparse.Namespace, schedules: list[str]) -> list[tuple[str, int]]:
+    """(schedule, seed) of each run: `sync` once per seed of --sync-seeds."""
+    return [
+        (schedule, args.seed + k)
+        for schedule in schedules
+        for k in range(args.sync_seeds if schedule == "sync" else 1)
+    ]
+
+
+def spread(results: list[dict]) -> str | None:
+    """Each other schedule's reward after the same steps against the range
+    over the `sync` runs' seeds."""
+    syncs = [r["reward_last"] for r in results if r["schedule"] == "sync"]
+    if len(syncs) < 2:
+        return None
+    low, high = min(syncs), max(syncs)
+    lines = [f"sync's reward after the same steps over {len(syncs)} seeds: {low:.3f}-{high:.3f}"]
+    for r in results:
+        if r["schedule"] != "sync":
+            inside = "within" if low <= r["reward_last"] <= high else "outside"
+            lines.append(f"{r['schedule']}: {r['reward_last']:.3f} ({inside} sync's spread)")
+    return "\n".join(lines)
+
+
 def report(args: argparse.Namespace, results: list[dict], seconds: float) -> None:
     print(f"\n{table(results)}\n(per iteration means; {seconds:.0f} s in all)")
+    if (line := spread(results)) is not None:
+        print(line)
     sync = next((r for r in results if r["schedule"] == "sync"), None)
     most = ceiling(sync) if sync else None
     if most is not None:

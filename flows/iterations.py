@@ -21,6 +21,7 @@ from flows.params import RolloutParams
 from flows.schedule import Pipeline
 from tasks.agents import AgentPlan
 from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
+from tasks.partial import PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
@@ -97,7 +98,8 @@ def run_iterations(
         training.staleness_bound,
         trains=policy_up is not None,
     )
-    generate = generate_rollouts.with_options(retries=params.cluster.engine_retries)
+    task = generate_partial_rollouts if training.schedule == "partial" else generate_rollouts
+    generate = task.with_options(retries=params.cluster.engine_retries)
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
     if policy_up is not None:
         running[policy_up] = ("policy", 0)
@@ -121,7 +123,9 @@ def run_iterations(
             running[future] = ("train", i)
         while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
             pipeline.generation_started(i, now)
-            plan = generation_plan(params, run_dir, i, on_policy=policy_up is not None, agent=agent)
+            plan = iteration_plan(
+                params, run_dir, i, len(prompts), on_policy=policy_up is not None, agent=agent
+            )
             bar = progress.iteration(i, len(prompts) * params.sampling.n)
             running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)
         future = first_done(list(running))
@@ -165,6 +169,25 @@ def first_done(futures: list[PrefectConcurrentFuture]) -> PrefectConcurrentFutur
         )
         if done:
             return by_wrapped[next(iter(done))]
+
+
+def iteration_plan(
+    params: RolloutParams,
+    run_dir: Path,
+    iteration: int,
+    prompts: int,
+    *,
+    on_policy: bool,
+    agent: AgentPlan | None = None,
+) -> GenerationPlan | PartialPlan:
+    """What the iteration's generation task gets: under `partial` the plan
+    with the groups kept generating and the wait bound."""
+    plan = generation_plan(params, run_dir, iteration, on_policy=on_policy, agent=agent)
+    training = params.training
+    if training.schedule != "partial":
+        return plan
+    groups = in_flight_groups(prompts, training.partial_in_flight)
+    return PartialPlan(plan, groups, max_wait=training.max_staleness)
 
 
 def generation_plan(

@@ -158,7 +158,8 @@ class TrainingParams(BaseModel):
         "the policy trains on i; the sync runs when both are done. 'in_flight': up to "
         "max_staleness + 1 generations run at once, and new weights are pushed as soon as "
         "the policy has them, into running requests (a row records every version it was "
-        "generated under).",
+        "generated under). 'partial': as 'sync', but a step takes the first groups to "
+        "complete; the rest are aborted at the sync and resumed under the new weights.",
     )
     # The one declaration of the bound: the schedule and the policy get
     # `staleness_bound`, derived from it (0 under 'sync').
@@ -167,7 +168,16 @@ class TrainingParams(BaseModel):
         ge=0,
         le=1000,
         description="overlap / in_flight: versions a row may lag the policy that trains on "
-        "it (at least 1). 'sync' is strictly on-policy (0).",
+        "it (at least 1); partial: iterations a group may wait for its batch (then the "
+        "iteration waits for it). 'sync' is strictly on-policy (0).",
+    )
+    partial_in_flight: float = Field(
+        1.5,
+        ge=1.0,
+        le=2.0,
+        description="partial: groups kept generating, as a multiple of the batch (the "
+        "prompts file's rows; at most 2, so the groups at their wait bound fit in one "
+        "batch); a step takes the first batch of them to complete.",
     )
     weight_sync_probe: bool = Field(
         True,

@@ -18,6 +18,9 @@ policy) and a weight sync (both). With S the staleness bound (0 for `sync`):
   `in_flight` at once, under the running generations (their requests freeze
   and continue on the new weights; their rows record both versions).
 
+`partial` runs as `sync` does (its bound is how long a partial rollout may
+wait, tasks/partial.py, not a lag between generation and sync).
+
 The policy actor runs one method at a time, so a sync and a training step
 are never submitted together: the sync goes first, as the engines wait for it.
 """
@@ -27,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Schedule = Literal["sync", "overlap", "in_flight"]
-SCHEDULES: tuple[Schedule, ...] = ("sync", "overlap", "in_flight")
+Schedule = Literal["sync", "overlap", "in_flight", "partial"]
+SCHEDULES: tuple[Schedule, ...] = ("sync", "overlap", "in_flight", "partial")
 
 
 @dataclass
@@ -86,7 +89,8 @@ class Pipeline:
             return j
         if self.syncing and not concurrent:
             return None  # overlap: the sync has the engines to itself
-        return j if self.served >= j - self.max_staleness else None
+        lag = 0 if self.schedule == "partial" else self.max_staleness
+        return j if self.served >= j - lag else None
 
     def next_training(self) -> int | None:
         """The iteration to train on now, or None."""

@@ -33,6 +33,7 @@ from tasks.run.pool import EnginePool
 from tasks.run.progress import IterationProgress
 from tasks.run.prompts import PromptRecord, Prompts
 from tasks.run.records import request_seed, rows_for, with_input
+from tasks.run.segments import record_sampling
 from tasks.run.shards import Shard, ShardStore, plan_shards
 from training.grpo import group_advantages
 from training.rewards import RewardInput, score_remote
@@ -136,7 +137,9 @@ class ShardWriter:
         return [
             handle.generate_text.remote(
                 self.prompts.records[i].prompt,
-                self.plan.sampling.model_copy(update={"seed": self.seed_of(i)}),
+                record_sampling(self.plan.sampling, self.prompts.records[i].metadata).model_copy(
+                    update={"seed": self.seed_of(i)}
+                ),
             )
             for i in self.order[shard.start : shard.stop]
         ]

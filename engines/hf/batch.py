@@ -54,6 +54,8 @@ class Request:
     #: on to its end (None: the base model's).
     pinned: int | None = None
     adapter: int | None = None
+    #: Its future was answered (as soon as its samples ended, on the generation thread).
+    answered: bool = False
 
 
 def sequence_seed(request_seed: int, index: int) -> int:
@@ -140,14 +142,25 @@ class BatchRunner:
             seq.finish_reason = "abort"
         return self._output(request)
 
-    def run(self, batch: list[Request], next_step: Callable[[], bool]) -> list[RequestOutput]:
-        """`next_step()` between two steps: False ends the batch (aborted)."""
+    def run(
+        self,
+        batch: list[Request],
+        next_step: Callable[[], bool],
+        answer: Callable[[Request, RequestOutput], None],
+    ) -> list[RequestOutput]:
+        """`next_step()` between two steps: False ends the batch (aborted).
+        `answer(request, output)` as soon as a request's samples all ended."""
         try:
-            return self._run(batch, next_step)
+            return self._run(batch, next_step, answer)
         finally:
             self.held_tokens = 0
 
-    def _run(self, batch: list[Request], next_step: Callable[[], bool]) -> list[RequestOutput]:
+    def _run(
+        self,
+        batch: list[Request],
+        next_step: Callable[[], bool],
+        answer: Callable[[Request, RequestOutput], None],
+    ) -> list[RequestOutput]:
         rows = [(request, seq) for request in batch for seq in request.sequences]
         version = self._version()
         for request in batch:
@@ -156,6 +169,7 @@ class BatchRunner:
         self.held_tokens = mask.numel()
         self._prompt_logprobs(rows, out.logits)
         active = [True] * len(rows)
+        waiting = list(batch)  # not answered yet
         while True:
             logits = out.logits[:, -1, :].float().cpu()
             next_tokens = [self.pad_id] * len(rows)
@@ -164,6 +178,10 @@ class BatchRunner:
                     next_tokens[i] = self._step(request, seq, logits[i])
                     seq.token_versions.append(version)
                     active[i] = seq.finish_reason is None
+            for request in waiting:
+                if all(seq.finish_reason is not None for seq in request.sequences):
+                    answer(request, self._output(request))
+            waiting = [r for r in waiting if any(s.finish_reason is None for s in r.sequences)]
             if not any(active):
                 break
             if not next_step():  # aborted (or shutting down)

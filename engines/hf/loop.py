@@ -1,9 +1,11 @@
 """The CPU backend's generation thread: the queue of requests, the batch it
 runs (`engines.hf.batch`), and the pause flags it obeys between two steps.
 
-Static batching: requests arriving mid-batch wait for the next batch. The
-actor's event loop submits, pauses and stops; the thread answers each
-request's future on that loop.
+Static batching: requests arriving mid-batch wait for the next batch; a
+request is answered as soon as its own samples end, not when its batch does
+(a long-tailed batch would hold every short answer back). The actor's event
+loop submits, pauses and stops; the thread answers each request's future on
+that loop.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Runs one batch; the callable it is given says, between two steps, whether
-#: to go on (False: the batch is aborted, or the engine shuts down).
-RunBatch = Callable[["list[Request]", Callable[[], bool]], list[RequestOutput]]
+#: Runs one batch; the first callable it is given says, between two steps,
+#: whether to go on (False: the batch is aborted, or the engine shuts down);
+#: the second answers one request whose samples all ended.
+Answer = Callable[["Request", RequestOutput], None]
+RunBatch = Callable[["list[Request]", Callable[[], bool], Answer], list[RequestOutput]]
 
 
 class GenerationLoop:
@@ -118,13 +122,15 @@ class GenerationLoop:
                     self.running_seqs = sum(request.params.n for request in batch)
                     self._stepping = True
                 try:
-                    outputs = self._run_batch(batch, self._next_step)
+                    outputs = self._run_batch(batch, self._next_step, _answer)
                     for request, output in zip(batch, outputs, strict=True):
-                        request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
+                        if not request.answered:
+                            _answer(request, output)
                 except Exception as exc:  # noqa: BLE001 - handed to each caller
                     logger.exception("engine %s: batch failed", self.engine)
                     for request in batch:
-                        request.loop.call_soon_threadsafe(_resolve, request.future, None, exc)
+                        if not request.answered:
+                            request.loop.call_soon_threadsafe(_resolve, request.future, None, exc)
                 finally:
                     with self._cond:
                         self.running = self.running_seqs = 0
@@ -164,6 +170,13 @@ class GenerationLoop:
                 self._cond.wait()
             self._stepping = True
             return not (self._stopping or self._aborting)
+
+
+def _answer(request: Request, output: RequestOutput) -> None:
+    """Answer once: the caller's event loop may be gone after (a caller of
+    `asyncio.run` per request)."""
+    request.answered = True
+    request.loop.call_soon_threadsafe(_resolve, request.future, output, None)
 
 
 def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) -> None:

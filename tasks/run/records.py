@@ -131,9 +131,10 @@ def rows_for(
                 "reward": None,
                 "advantage": None,
                 "loss_mask": [1] * len(sample.token_ids),
-                # The admitted (oldest) version: the engine reports no
-                # per-token version for a request a sync landed in.
-                "token_versions": [output.weight_version] * len(sample.token_ids),
+                # The engine's per-token versions; where it reports none, the
+                # admitted (oldest) version.
+                "token_versions": sample.token_versions
+                or [output.weight_version] * len(sample.token_ids),
                 "turns": [
                     {
                         "role": "assistant",

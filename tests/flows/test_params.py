@@ -97,6 +97,11 @@ def test_schedule_and_its_staleness_bound():
     assert [error["loc"] for error in info.value.errors()] == [("training", "schedule")]
     training = parse_params(["--schedule", "in_flight", "--max-staleness", "2"]).training
     assert (training.schedule, training.max_staleness) == ("in_flight", 2)
+    # partial: the bound is how many iterations a group may wait.
+    partial = params(schedule="partial", max_staleness=4, partial_in_flight=2.0).training
+    assert (partial.staleness_bound, partial.partial_in_flight) == (4, 2.0)
+    with pytest.raises(ValidationError, match="partial_in_flight"):
+        params(schedule="partial", partial_in_flight=2.5)
 
 
 def test_json_schema_carries_bounds_for_the_ui():

@@ -63,6 +63,19 @@ def test_sync_is_generate_train_sync_in_order():
     ]  # fmt: skip
 
 
+def test_partial_runs_in_sync_order_whatever_its_wait_bound():
+    """Its bound is how long a partial rollout may wait (tasks/partial.py), so
+    generation j still waits for version j, as under `sync`."""
+    pipeline = Pipeline(3, "partial", 3)
+    pipeline.start(0.0)
+    events = [e for e in drain(pipeline) if not e.startswith("/")]
+    assert events == [
+        "gen 0", "train 0", "sync v1",
+        "gen 1", "train 1", "sync v2",
+        "gen 2", "train 2", "sync v3",
+    ]  # fmt: skip
+
+
 def test_overlap_generates_the_next_iteration_while_the_policy_trains():
     pipeline = Pipeline(3, "overlap", 1)
     pipeline.start(0.0)
@@ -252,6 +265,7 @@ def test_a_plain_run_only_generates():
     [
         ("sync", 1, "max_staleness 0, got 1"),
         ("overlap", 0, "needs max_staleness >= 1, got 0"),
+        ("partial", 0, "needs max_staleness >= 1, got 0"),
         ("lockstep", 0, "'lockstep'"),
     ],
 )

@@ -1,0 +1,168 @@
+"""Partial rollouts, sample by sample: a sample is generated in segments, one
+request each. A segment ends when the sample does ("stop", "length") or when
+its engine aborts it at a weight sync ("abort", with the tokens so far); the
+next segment resumes it, on any engine and under the weights then served,
+from the prompt's token ids followed by the sample's token ids so far (never
+re-encoded from text: no re-prefill drift), with max_tokens reduced by what
+was generated. Every token keeps the weight version that sampled it and the
+behaviour logprob of that version.
+
+Plain data (JSON through `to_json` / `from_json`): the samples not finished
+at an iteration's end are carried to the next one on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engines.outputs import CompletionOutput, Logprob, RequestOutput
+from engines.sampling import SamplingParams
+
+#: A segment's end that resumes: the engine stopped it (a sync's abort).
+RESUMED_REASONS = ("abort", None)
+
+
+def segment_seed(seed: int, index: int, generated: int) -> int:
+    """The seed of one segment: fixed by the group's seed, the sample and the
+    tokens it already has, so a rerun (or a retry on another engine) samples
+    the same stream from the same point."""
+    return ((seed * 1_000_003 + index) * 1_000_003 + generated) % (2**63)
+
+
+def record_sampling(sampling: SamplingParams, metadata: dict[str, Any]) -> SamplingParams:
+    """A prompt row's own `max_tokens` (the long-tail workload's column)
+    overrides the run's."""
+    max_tokens = metadata.get("max_tokens")
+    if max_tokens is None:
+        return sampling
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"a prompt row's max_tokens must be an integer >= 1, got {max_tokens!r}")
+    return sampling.model_copy(update={"max_tokens": max_tokens})
+
+
+@dataclass
+class SampleState:
+    """One sample of a group and what its segments generated so far."""
+
+    index: int
+    budget: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    #: Per token: the sampled token's logprob and the top entries, [[id, logprob], ...].
+    positions: list[list[list[float]]] | None = None
+    token_versions: list[int] = field(default_factory=list)
+    #: The versions each segment ran under, in order (a segment frozen across a sync has two).
+    versions: list[int] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    text: str = ""
+    cumulative: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    segments: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason not in RESUMED_REASONS
+
+    def request(self, sampling: SamplingParams, seed: int) -> SamplingParams:
+        """The next segment's sampling: one sample, the budget left, its own seed."""
+        made = len(self.token_ids)
+        return sampling.model_copy(
+            update={
+                "n": 1,
+                "seed": segment_seed(seed, self.index, made),
+                "max_tokens": self.budget - made,
+                "min_tokens": max(0, sampling.min_tokens - made),
+            }
+        )
+
+    def prompt(self) -> list[int]:
+        """The next segment's prompt: the prompt's token ids, then the sample's."""
+        return self.prompt_token_ids + self.token_ids
+
+    def absorb(self, output: RequestOutput, sample: CompletionOutput) -> None:
+        """Append one segment's answer (`sample`, one of `output`'s) to the sample."""
+        if not self.prompt_token_ids:
+            self.prompt_token_ids = list(output.prompt_token_ids)
+        tokens = list(sample.token_ids)
+        versions = sample.token_versions
+        if versions is None:  # the backend cannot tell: the version it was admitted under
+            versions = [output.weight_version] * len(tokens)
+        if sample.logprobs is not None:
+            self.positions = (self.positions or []) + [
+                [[token, float(position[token].logprob)]]
+                + [[t, float(e.logprob)] for t, e in position.items() if t != token]
+                for position, token in zip(sample.logprobs, tokens, strict=True)
+            ]
+        self.token_ids += tokens
+        self.token_versions += list(versions)
+        self.versions += [v for v in output.weight_versions if v not in self.versions]
+        self.engines.append(output.engine)
+        self.text += sample.text
+        self.cumulative += sample.cumulative_logprob or 0.0
+        self.finish_reason, self.stop_reason = sample.finish_reason, sample.stop_reason
+        self.segments += 1
+
+    def all_versions(self) -> list[int]:
+        """Every version a segment of the sample ran under, oldest first."""
+        return sorted(set(self.versions) | set(self.token_versions))
+
+    def completion(self) -> CompletionOutput:
+        logprobs = None
+        if self.positions is not None:
+            logprobs = [{int(t): Logprob(logprob=lp) for t, lp in pos} for pos in self.positions]
+        return CompletionOutput(
+            index=self.index,
+            token_ids=list(self.token_ids),
+            text=self.text,
+            finish_reason=self.finish_reason,
+            logprobs=logprobs,
+            cumulative_logprob=self.cumulative,
+            stop_reason=self.stop_reason,
+            token_versions=list(self.token_versions),
+        )
+
+
+@dataclass
+class GroupState:
+    """The samples of one prompt (a GRPO group), started at iteration `origin`."""
+
+    origin: int
+    slot: int
+    prompt_index: int
+    seed: int
+    samples: list[SampleState]
+
+    @property
+    def complete(self) -> bool:
+        return all(sample.done for sample in self.samples)
+
+    def first_request(self, sampling: SamplingParams) -> SamplingParams:
+        """A new group's one request: its n samples, its budget and seed."""
+        budget = self.samples[0].budget
+        update = {"n": len(self.samples), "seed": self.seed, "max_tokens": budget}
+        return sampling.model_copy(update=update)
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The group as one engine answer (for `tasks.run.records.rows_for`):
+        its oldest version, every version any token or segment ran under, and
+        every engine that served a segment."""
+        versions = sorted({v for s in self.samples for v in s.all_versions()})
+        engines = sorted({e for s in self.samples for e in s.engines})
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=list(self.samples[0].prompt_token_ids),
+            outputs=[sample.completion() for sample in self.samples],
+            weight_version=versions[0],
+            weight_versions=versions,
+            engine=",".join(engines),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GroupState:
+        samples = [SampleState(**s) for s in data["samples"]]
+        return cls(**{**data, "samples": samples})
