@@ -223,7 +223,9 @@ class VLLMEngine(RolloutEngine):
         except vllm_api().EngineDeadError as exc:
             raise self._core.died(exc) from exc
         except ValueError as exc:  # vLLM's per-request validation
-            raise RequestError(f"engine {self.config.name} rejected a prompt: {exc}") from exc
+            # Not chained: VLLMValidationError does not unpickle (its __init__
+            # takes more than the message), and Ray then sends RaySystemError.
+            raise RequestError(f"engine {self.config.name} rejected a request: {exc}") from None
         if final is None or not final.finished:
             raise RequestError(f"engine {self.config.name}: request {request_id} did not finish")
         # Its weight version is stamped by `_generate`, from the call's ticket.
