@@ -92,11 +92,9 @@ def run_iterations(
     sessions (tasks/agents.py)."""
     logger = get_run_logger()
     training = params.training
+    on_policy = policy_up is not None
     pipeline = Pipeline(
-        training.iterations,
-        training.schedule,
-        training.staleness_bound,
-        trains=policy_up is not None,
+        training.iterations, training.schedule, training.staleness_bound, trains=on_policy
     )
     task = generate_partial_rollouts if training.schedule == "partial" else generate_rollouts
     generate = task.with_options(retries=params.cluster.engine_retries)
@@ -104,8 +102,7 @@ def run_iterations(
     if policy_up is not None:
         running[policy_up] = ("policy", 0)
     policy = None  # the handle, once the policy is up
-    # Set once a sync went through (the policy knows the engines): from then
-    # on a replacement engine is synced to it before it serves.
+    # Set once a sync connected the policy: a replacement is synced before it serves.
     link = PolicyLink()
     pipeline.start(time.monotonic())
     while not pipeline.done:
@@ -124,7 +121,7 @@ def run_iterations(
         while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
             pipeline.generation_started(i, now)
             plan = iteration_plan(
-                params, run_dir, i, len(prompts), on_policy=policy_up is not None, agent=agent
+                params, run_dir, i, len(prompts), on_policy=on_policy, agent=agent
             )
             bar = progress.iteration(i, len(prompts) * params.sampling.n)
             running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)

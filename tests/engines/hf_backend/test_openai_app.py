@@ -45,6 +45,8 @@ def engines(ray_local_module, tiny_model):
 
 @pytest.fixture(scope="module")
 def url(engines) -> str:
+    # The engine's start first, on its own deadline (a loaded box, -n 2).
+    ray.get(engines[0].ready.remote(), timeout=300)
     return ray.get(engines[0].openai_url.remote(), timeout=60)
 
 

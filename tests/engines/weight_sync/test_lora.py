@@ -241,6 +241,8 @@ def test_an_engine_without_lora_refuses_an_adapter(tiny_model, ray_local):
         1, tiny_model, max_len=64, backend="hf", name_prefix="test-nolora"
     )
     try:
+        # Up first: the sync's own deadline is not a start-up's.
+        get(engine.ready.remote(), 300)
         sender = LoraSender("inline", LoraSync(LoraSpec(4, 8.0, ("q_proj",))), SyncConfig())
         sender.init([engine])
         name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
