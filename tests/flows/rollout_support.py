@@ -29,7 +29,7 @@ def small_run(model: str, output_dir: Path, address: str | None = None, **overri
         "max_len": 128,
         "max_tokens": 8,
         "shard_size": 8,
-        "ready_timeout_s": 120,
+        "ready_timeout_s": 300,
         "request_timeout_s": 120,
         "output_format": "jsonl",  # `written_shards` watches JSONL shards appear
     }
