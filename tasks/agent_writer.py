@@ -4,6 +4,7 @@ made is a row carrying the session's reward."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any
 
@@ -33,12 +34,16 @@ class AgentWriter(ShardWriter):
             )
         return refs
 
-    def rows_of(self, shard: Shard, results: list) -> list[dict[str, Any]]:
-        # Decoded here: in the sessions' Ray task, AutoTokenizer failed to
-        # import the model's config class.
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        # Loaded once per iteration, not per shard; decoded here: in the
+        # sessions' Ray task, AutoTokenizer failed to import the model's config class.
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.plan.agent.model)
+        return AutoTokenizer.from_pretrained(self.plan.agent.model)
+
+    def rows_of(self, shard: Shard, results: list) -> list[dict[str, Any]]:
+        tokenizer = self.tokenizer
         rows = []
         prompts = self.order[shard.start : shard.stop]
         for i, sessions in zip(prompts, results, strict=True):
