@@ -360,6 +360,11 @@ def print_table(results: dict) -> None:
             totals = ", ".join(f"{r.get('seconds', float('nan')):.4f}" for r in fig["reports"])
             print(f"  every sync's total s: {totals}; median's phases {last['phases']}")
             print(f"  inside the engine (median sync): {last.get('engine_times', {})}")
+            # *_at: when the engine actor / worker took and answered the call,
+            # in ms since the trainer's sync() began (the way in to the copies).
+            times = last.get("engine_times", {}).items()
+            way = {k: round(v * 1e3, 2) for k, v in times if k.endswith("_at")}
+            print(f"  the way in, ms into the sync: {way}")
             if last.get("probe"):
                 reference = last["reference_s"]
                 shown = "none" if reference is None else f"{reference:.4f}s"

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.weight_sync.adapter import LoraSpec, adapter_name, targets_missing, tensor_module
+from engines.weight_sync.adapter import (
+    LoraSpec,
+    PackedAdapter,
+    adapter_name,
+    targets_missing,
+    tensor_module,
+)
 from engines.weight_sync.errors import WeightTransferError
 
 #: peft's name for "no adapter" in a mixed batch.
@@ -39,11 +45,18 @@ class PeftAdapters:
         return []
 
     def load(
-        self, version: int, spec: LoraSpec, tensors: dict[str, Any], remove: list[int]
+        self,
+        version: int,
+        spec: LoraSpec,
+        tensors: dict[str, Any] | PackedAdapter,
+        remove: list[int],
     ) -> None:
         """Add (or replace) the adapter of `version`, then drop those of `remove`
         (in this order: peft keeps at least one adapter)."""
         from peft import LoraConfig, PeftModel, set_peft_model_state_dict
+
+        if isinstance(tensors, PackedAdapter):
+            tensors = tensors.copy_into()[1]
 
         name = adapter_name(version)
         config = LoraConfig(

@@ -2,7 +2,9 @@
 built from the received tensors and registered with the worker's LoRA
 manager (vLLM 0.26, `vllm/lora/worker_manager.py`), with no file round-trip:
 `LoRAModel.from_lora_tensors` as `_load_adapter` builds one from a
-directory, then the manager's `add_adapter`.
+directory, then the manager's `add_adapter`. Over CUDA IPC a new version
+of the same layout reuses the LoRAModel of the version it replaces (`Built`):
+its tensors get the new bytes, and it is registered under the new id.
 
 Requests name an adapter by a `LoRARequest` (`lora_request`) whose id is
 registered already, so the worker's `set_active_adapters` finds it and never
@@ -17,10 +19,12 @@ verl patches `_load_adapter` to read tensors from the request instead
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 from engines.weight_sync.adapter import (
     LoraSpec,
+    PackedAdapter,
     adapter_id,
     adapter_name,
     targets_missing,
@@ -38,6 +42,56 @@ def lora_request(version: int) -> Any:
     return LoRARequest(adapter_name(version), adapter_id(version), IN_MEMORY_PATH)
 
 
+def _tensors(weights: Any) -> list[Any]:
+    """A LoRALayerWeights' lora_a or lora_b: one tensor, or a packed
+    module's list (None where a sub-module has no adapter)."""
+    listed = weights if isinstance(weights, list) else [weights]
+    return [t for t in listed if t is not None]
+
+
+@dataclass
+class Built:
+    """A registered adapter whose every tensor is a view of `own` (our copy
+    of a packed adapter), so the adapter of a later version of the same
+    layout is the same LoRAModel with new bytes: one copy and one scaling
+    instead of building and merging 100-odd modules in Python at every sync
+    (the syncs of a training run all have one layout)."""
+
+    lora: Any  # vLLM's LoRAModel, merged (packed modules) as registered
+    own: Any  # the bytes its tensors view
+    bucket: Any  # their layout (buckets.Bucket)
+    spec: LoraSpec
+    scaling: float  # what vLLM multiplied every lora_B by as it registered it
+    lora_b: list[Any]
+
+    @classmethod
+    def of(cls, lora: Any, own: Any, bucket: Any, spec: LoraSpec, scaling: float) -> Built | None:
+        """None when vLLM copied a tensor as it built the adapter (another
+        dtype, a stacked MoE layout): then the bytes of `own` are not all
+        of it, and the next version is built anew."""
+        storage = own.untyped_storage().data_ptr()
+        parts = [(w.lora_a, w.lora_b) for w in lora.loras.values()]
+        tensors = [t for a, b in parts for t in (*_tensors(a), *_tensors(b))]
+        if not all(t.untyped_storage().data_ptr() == storage for t in tensors):
+            return None
+        return cls(lora, own, bucket, spec, scaling, [t for _, b in parts for t in _tensors(b)])
+
+    def fits(self, tensors: Any, spec: LoraSpec) -> bool:
+        packed = isinstance(tensors, PackedAdapter)
+        return packed and spec == self.spec and tensors.bucket == self.bucket
+
+    def refill(self, tensors: PackedAdapter, lora_id: int) -> None:
+        """The bytes of `tensors`, scaled as vLLM scales a new adapter's, under `lora_id`."""
+        import torch
+
+        tensors.copy_into(self.own)
+        if self.scaling != 1:  # vLLM's LoRALayerWeights.optimize, the same multiply
+            torch._foreach_mul_(self.lora_b, self.scaling)
+        # Registering a merged LoRAModel again is a no-op merge: its packed
+        # modules are packed, its scalings are 1.
+        self.lora.id = lora_id
+
+
 class VllmAdapters:
     """The adapters registered with one vLLM worker's LoRA manager."""
 
@@ -47,6 +101,8 @@ class VllmAdapters:
             raise RuntimeError("this vLLM worker has no LoRA manager: start it with enable_lora")
         self.manager = manager  # LRUCacheWorkerLoRAManager
         self.device = host.device
+        # version -> its adapter's reusable parts (packed adapters only)
+        self._built: dict[int, Built] = {}
 
     @property
     def adapters(self) -> Any:
@@ -91,16 +147,43 @@ class VllmAdapters:
         return problems
 
     def load(
-        self, version: int, spec: LoraSpec, tensors: dict[str, Any], remove: list[int]
+        self,
+        version: int,
+        spec: LoraSpec,
+        tensors: dict[str, Any] | PackedAdapter,
+        remove: list[int],
     ) -> None:
         """Remove the adapters of `remove` (room in the cache first), then
-        build the adapter of `version` from `tensors` and register it."""
+        register the adapter of `version`: built from `tensors`, or, for a
+        packed adapter of the layout of one just removed, that one's
+        LoRAModel with the new bytes written into its tensors."""
+        adapters = self.adapters
+        spare = None
+        # A version synced again replaces its adapter.
+        for old in [*remove, version]:
+            adapters.remove_adapter(adapter_id(old))
+            built = self._built.pop(old, None)
+            if spare is None and built is not None and built.fits(tensors, spec):
+                spare = built
+        if spare is not None:
+            spare.refill(tensors, adapter_id(version))
+            adapters.add_adapter(spare.lora)
+            self._built[version] = spare
+            return
+        own, views = tensors.copy_into() if isinstance(tensors, PackedAdapter) else (None, tensors)
+        lora, scaling = self._build(version, spec, views)
+        adapters.add_adapter(lora)
+        if own is not None:
+            built = Built.of(lora, own, tensors.bucket, spec, scaling)
+            if built is not None:
+                self._built[version] = built
+
+    def _build(self, version: int, spec: LoraSpec, tensors: dict[str, Any]) -> tuple[Any, float]:
+        """vLLM's LoRAModel of `tensors` (views of them, in vLLM's dtype) and
+        the scaling vLLM folds into its lora_B tensors as it registers it."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        adapters = self.adapters
-        for old in remove:
-            adapters.remove_adapter(adapter_id(old))
         helper = PEFTHelper.from_dict(
             {
                 **spec.peft_config(),
@@ -108,7 +191,7 @@ class VllmAdapters:
             }
         )
         helper.validate_legal(self.manager.lora_config)
-        model = adapters.model
+        model = self.adapters.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(
             adapter_id(version),
@@ -120,9 +203,7 @@ class VllmAdapters:
             weights_mapper=mapper.get_unstacked_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
-        # A version synced again replaces its adapter.
-        adapters.remove_adapter(lora.id)
-        adapters.add_adapter(lora)
+        return lora, helper.vllm_lora_scaling_factor
 
     def loaded(self) -> list[str]:
         return [adapter_name(i - 1) for i in sorted(self.adapters.list_adapters())]

@@ -1,7 +1,8 @@
 """A LoRA adapter as weight sync moves it (`lora.py`): its shape
 (`LoraSpec`: rank, alpha, target modules, as peft's `LoraConfig`), what a
 trainer of one tells its sender (`LoraSync`), its names on the engines, and
-the peft adapter directory the checkpoint way writes.
+the peft adapter directory the checkpoint way writes, and the tensors as a
+worker receives them (`received_tensors`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from engines.weight_sync import ipc_handles as ipc
+from engines.weight_sync.buckets import Bucket, unpack_bucket
+from engines.weight_sync.errors import WeightTransferError
 
 #: The files of a peft adapter directory.
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -111,3 +116,60 @@ def save_adapter(weights: list[tuple[str, Any]], spec: LoraSpec, path: str | Pat
     save_file({n: t.contiguous().cpu() for n, t in weights}, str(path / WEIGHTS_FILE))
     (path / CONFIG_FILE).write_text(json.dumps(spec.peft_config()))
     return path
+
+
+@dataclass(frozen=True)
+class PackedAdapter:
+    """An adapter's tensors in one flat byte buffer laid out by `bucket`
+    (`buckets.py`, as the broadcast packs its buckets). Over CUDA IPC the
+    buffer is the trainer's, mapped, and written again at its next sync: a
+    store copies it (`copy_into`) and never keeps it."""
+
+    buffer: Any  # uint8, at least bucket.nbytes
+    bucket: Bucket
+
+    def names(self) -> list[str]:
+        return [e.param.name for e in self.bucket.entries]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.param.nbytes for e in self.bucket.entries)
+
+    def copy_into(self, own: Any = None) -> tuple[Any, dict[str, Any]]:
+        """`own` (a new buffer if None) holding a copy of the bytes, and the
+        adapter's tensors as views of it."""
+        if own is None:
+            own = self.buffer[: self.bucket.nbytes].clone()
+        else:
+            own.copy_(self.buffer[: self.bucket.nbytes])
+        return own, dict(unpack_bucket(self.bucket, own))
+
+
+def received_tensors(worker: Any, via: str, payload: Any) -> dict[str, Any] | PackedAdapter:
+    """The adapter's tensors, on this worker's device, owned by it; over
+    CUDA IPC the trainer's buffer, mapped once (the store copies it)."""
+    if via == "inline":
+        from safetensors.torch import load
+
+        return {n: t.to(worker.device) for n, t in load(payload).items()}
+    if via == "checkpoint":
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(payload, WEIGHTS_FILE)), device=str(worker.device))
+    opened = ipc.loads(payload)
+    held = worker.held.get("lora_ipc")  # (mapping, PackedAdapter)
+    if opened["handles"] is not None:
+        bucket = Bucket.model_validate(opened["bucket"])
+        mapped = ipc.open_shared(opened["handles"], worker.device.index)
+        if mapped.element_size() != 1 or mapped.numel() < bucket.nbytes:
+            raise WeightTransferError(
+                f"the adapter buffer is {mapped.dtype} x {mapped.numel()}, announced "
+                f"{bucket.nbytes} bytes"
+            )
+        held = worker.held["lora_ipc"] = (opened["mapping"], PackedAdapter(mapped, bucket))
+    elif held is None or held[0] != opened["mapping"]:
+        raise WeightTransferError(
+            f"this worker does not hold the adapter buffer {opened['mapping']!r}; the "
+            "trainer must send its handle again"
+        )
+    return held[1]

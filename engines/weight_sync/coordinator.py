@@ -67,9 +67,11 @@ class Phases:
 
     def engines_reported(self, answers: list[Any], *keys: str) -> None:
         """Keep the slowest engine's seconds for each of `keys` in the
-        answers' `times`."""
+        answers' `times`; a moment (`*_at`, on the host's monotonic clock,
+        which every process of a host shares) as seconds since this sync began."""
         for key in keys:
-            values = [a.times[key] for a in answers if key in a.times]
+            since = self.started if key.endswith("_at") else 0.0
+            values = [a.times[key] - since for a in answers if key in a.times]
             if values:
                 self.engine_times[key] = max(values)
 

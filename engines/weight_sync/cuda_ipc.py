@@ -50,6 +50,9 @@ from engines.weight_sync.worker import WorkerWeights
 
 logger = logging.getLogger(__name__)
 
+#: The moments a sync's answer carries (`Phases.engines_reported`).
+STAMPS = ("actor_in_at", "worker_in_at", "queued_at", "actor_out_at")
+
 
 def copy_event() -> Any:
     """A CUDA event other processes can open by its handle (`CopyEvents`)."""
@@ -195,7 +198,7 @@ class CudaIpcSender:
             wake=["weights"] if self.wake_up else None,
             wake_after=["kv_cache"] if self.wake_up else None,
         )
-        phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s")
+        phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s", *STAMPS)
         phases.done("transfer")
         events = [h for answer in received for h in answer.received.copies_done or ()]
         if events:
@@ -306,7 +309,11 @@ def worker_receive_shared(
         torch.cuda.synchronize(worker.device)
     if keep:
         worker.held["cuda_ipc"] = (mapping, weights, nbytes)
-    answer.times = {"open_s": opened_at - started, "load_s": time.monotonic() - opened_at}
+    queued = time.monotonic()
+    answer.times = {"open_s": opened_at - started, "load_s": queued - opened_at}
+    # Moments on the host's one monotonic clock: the trainer shows them as
+    # offsets into its sync (where the way in to the copies goes).
+    answer.times.update(worker_in_at=started, queued_at=queued)
     return answer.plain()
 
 

@@ -27,7 +27,6 @@ Worker: the same names.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import uuid
 from collections import Counter
@@ -37,16 +36,24 @@ from typing import Any
 
 from engines.weight_sync import ipc_handles as ipc
 from engines.weight_sync.adapter import (
-    WEIGHTS_FILE,
     LoraSpec,
     LoraSync,
+    PackedAdapter,
+    received_tensors,
     save_adapter,
     tensor_module,
 )
+from engines.weight_sync.buckets import ALIGN, Bucket, pack_bucket, plan_buckets
+from engines.weight_sync.checksum import nbytes_of
 from engines.weight_sync.config import SyncConfig
-from engines.weight_sync.coordinator import Coordinator, Phases, as_engine_list, trainer_weights
-from engines.weight_sync.errors import WeightSyncError, WeightTransferError
-from engines.weight_sync.manifest import dtype_name, torch_dtype
+from engines.weight_sync.coordinator import (
+    Coordinator,
+    ManifestCache,
+    Phases,
+    as_engine_list,
+    trainer_weights,
+)
+from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.probe import ProbeResult
 from engines.weight_sync.protocol import (
     Received,
@@ -80,8 +87,10 @@ class LoraSender:
         self.checkpoint_dir = checkpoint_dir
         self.transport = f"lora-{via}"
         self.engines: list[Any] = []
-        # cuda_ipc: the packed buffer the engines keep mapped, and its name.
-        self._buffer: Any = None
+        # cuda_ipc: (manifest, bucket, buffer) of the packed buffer the
+        # engines keep mapped, and its name.
+        self._manifests = ManifestCache()
+        self._packed: tuple[Any, Bucket, Any] | None = None
         self._mapping: str | None = None
         self._mapped = False
 
@@ -99,7 +108,7 @@ class LoraSender:
             from engines.client import call_engines
 
             call_engines(self.engines, "release_lora_buffer", timeout_s=self.config.timeout_s)
-        self._buffer = self._mapping = None
+        self._packed = self._mapping = None
         self._mapped = False
         self.engines = []
 
@@ -117,29 +126,27 @@ class LoraSender:
         return self._pack(weights)
 
     def _pack(self, weights: list[tuple[str, Any]]) -> bytes:
-        """One buffer of every tensor, kept across syncs: the engines map it
-        once, so a sync sends no handle and opens nothing."""
+        """One buffer of every tensor (a broadcast bucket's layout), kept
+        across syncs: the engines map it once, so a later sync sends only
+        its name and opens nothing."""
         import torch
 
-        dtypes = {t.dtype for _, t in weights}
-        if len(dtypes) != 1 or not all(t.is_cuda for _, t in weights):
-            raise ValueError(
-                f"CUDA IPC sends adapters of one dtype on a GPU, got {sorted(map(str, dtypes))}"
-            )
-        total = sum(t.numel() for _, t in weights)
-        first = weights[0][1]
-        if (
-            self._buffer is None
-            or self._buffer.numel() != total
-            or self._buffer.dtype != first.dtype
-        ):
-            self._buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        if not all(t.is_cuda for _, t in weights):
+            raise ValueError("CUDA IPC sends an adapter on a GPU")
+        manifest = self._manifests.of(weights)
+        if self._packed is None or self._packed[0] is not manifest:
+            room = manifest.nbytes + ALIGN * len(manifest.params)  # one bucket
+            (bucket,) = plan_buckets(manifest, room).buckets
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=weights[0][1].device)
+            self._packed = (manifest, bucket, buffer)
             self._mapping, self._mapped = uuid.uuid4().hex, False
-        torch.cat([t.reshape(-1) for _, t in weights], out=self._buffer)
-        torch.cuda.synchronize(first.device)  # the engines read it from another process
-        params = [[n, dtype_name(t.dtype), list(t.shape)] for n, t in weights]
-        handles = None if self._mapped else ipc.share(self._buffer)
-        return ipc.dumps({"mapping": self._mapping, "handles": handles, "params": params})
+        _, bucket, buffer = self._packed
+        pack_bucket(bucket, dict(weights), out=buffer)
+        torch.cuda.synchronize(buffer.device)  # the engines read it from another process
+        if self._mapped:
+            return ipc.dumps({"mapping": self._mapping, "handles": None, "bucket": None})
+        layout = bucket.model_dump(mode="json")
+        return ipc.dumps({"mapping": self._mapping, "handles": ipc.share(buffer), "bucket": layout})
 
     def sync(self, weights: Any, version: int, probe: Any = None) -> SyncReport:
         # `probe` is not run: an adapter version is served from its commit
@@ -164,7 +171,8 @@ class LoraSender:
             wake_after=["kv_cache"] if wake else None,
         )
         self._mapped = self.via == "cuda_ipc"
-        phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s")
+        stamps = ("actor_in_at", "worker_in_at", "loaded_at", "actor_out_at")
+        phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s", *stamps)
         phases.done("transfer")
         if not received[0].committed:
             coordinator.finish(version, wake=["kv_cache"] if wake else None)
@@ -304,39 +312,6 @@ def adapter_store(worker: WorkerWeights) -> Any:
     return worker.adapters
 
 
-def received_tensors(worker: WorkerWeights, via: str, payload: Any) -> dict[str, Any]:
-    """The adapter's tensors, on this worker's device, owned by it."""
-    if via == "inline":
-        from safetensors.torch import load
-
-        return {n: t.to(worker.device) for n, t in load(payload).items()}
-    if via == "checkpoint":
-        from safetensors.torch import load_file
-
-        return load_file(str(Path(payload, WEIGHTS_FILE)), device=str(worker.device))
-    opened = ipc.loads(payload)
-    held = worker.held.get("lora_ipc")
-    if opened["handles"] is not None:
-        held = worker.held["lora_ipc"] = (
-            opened["mapping"],
-            ipc.open_shared(opened["handles"], worker.device.index),
-        )
-    elif held is None or held[0] != opened["mapping"]:
-        raise WeightTransferError(
-            f"this worker does not hold the adapter buffer {opened['mapping']!r}; the "
-            "trainer must send its handle again"
-        )
-    # A copy: the trainer writes its buffer again at the next sync.
-    own = held[1].clone()
-    sizes = [math.prod(shape) for _, _, shape in opened["params"]]
-    tensors = {}
-    for (name, dtype, shape), part in zip(opened["params"], own.split(sizes), strict=True):
-        if part.dtype != torch_dtype(dtype):
-            raise WeightTransferError(f"{name!r}: the buffer is {part.dtype}, announced {dtype}")
-        tensors[name] = part.view(shape)
-    return tensors
-
-
 def worker_receive_lora(
     worker: WorkerWeights, spec: dict, via: str, payload: Any, version: int, remove: list[int]
 ) -> dict:
@@ -349,19 +324,23 @@ def worker_receive_lora(
 def worker_load(
     worker: WorkerWeights,
     spec: dict,
-    tensors: dict[str, Any],
+    tensors: dict[str, Any] | PackedAdapter,
     version: int,
     remove: list[int],
     open_s: float = 0.0,
 ) -> dict:
-    """Build the adapter of `version` from `tensors` (owned by this worker)
-    and register it; remove the versions in `remove`. A bad adapter (a target
-    module the model has not, too many adapters) changes nothing and is
-    answered as problems."""
+    """Build the adapter of `version` from `tensors` (owned by this worker,
+    or the trainer's mapped buffer, which the store copies) and register it;
+    remove the versions in `remove`. A bad adapter (a target module the model
+    has not, too many adapters) changes nothing and is answered as problems.
+    `times`: seconds, and `*_at` moments (monotonic, one clock for every
+    process of the host) the trainer turns into offsets into its sync."""
     opened = time.monotonic()
     store = adapter_store(worker)
     checked = LoraSpec.of(spec)
-    problems = store.problems(checked, list(tensors), version, remove)
+    packed = isinstance(tensors, PackedAdapter)
+    names = tensors.names() if packed else list(tensors)
+    problems = store.problems(checked, names, version, remove)
     if problems:
         return WorkerAnswer(problems=problems, holds_sync_state=False).plain()
     store.load(version, checked, tensors, remove)
@@ -369,11 +348,11 @@ def worker_load(
         import torch
 
         torch.cuda.synchronize(worker.device)  # the copy out of the trainer's buffer is done
-    return WorkerAnswer(
-        bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        holds_sync_state=False,
-        times={"open_s": open_s, "load_s": time.monotonic() - opened},
-    ).plain()
+    nbytes = tensors.nbytes if packed else sum(nbytes_of(t) for t in tensors.values())
+    done = time.monotonic()
+    times = {"open_s": open_s, "load_s": done - opened}
+    times.update(worker_in_at=opened - open_s, loaded_at=done)
+    return WorkerAnswer(bytes=nbytes, holds_sync_state=False, times=times).plain()
 
 
 def worker_release_buffer(worker: WorkerWeights) -> None:

@@ -176,10 +176,19 @@ class OneCall:
     committed: bool
     call_s: float
     probe: ProbeResult | None = None  # the commit's, when `committed`
+    #: When the engine actor took the call and answered it (time.monotonic()).
+    actor_at: tuple[float, float] = (0.0, 0.0)
 
     @property
     def times(self) -> dict[str, float]:
-        return {**self.begun.times, **self.received.times, "call_s": self.call_s}
+        actor_in, actor_out = self.actor_at
+        return {
+            **self.begun.times,
+            **self.received.times,
+            "call_s": self.call_s,
+            "actor_in_at": actor_in,
+            "actor_out_at": actor_out,
+        }
 
     @property
     def checksums(self) -> tuple[dict[str, str], ...] | None:

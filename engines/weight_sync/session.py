@@ -249,7 +249,8 @@ class WeightSync(EngineWeights):
             await self.abort_weight_sync(f"{receive} failed: {exc}")
             raise
         probed = committed.probe if committed is not None else None
-        return OneCall(begun, received, commit, time.monotonic() - started, probed)
+        ended = time.monotonic()
+        return OneCall(begun, received, commit, ended - started, probed, (started, ended))
 
     async def verify_weight_sync(self, version: int, checksums: dict[str, str]) -> int:
         """Compare the checksums of this engine's weights with the trainer's

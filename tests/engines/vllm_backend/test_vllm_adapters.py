@@ -1,13 +1,19 @@
 """The vLLM backend's adapter checks (engines/vllm/adapters.py) against a
 stand-in for vLLM 0.26's LoRA manager (CI has no vLLM): what a sync into it
-is refused for, before anything is built."""
+is refused for, before anything is built, and how a new version reuses the
+adapter it replaces (against vLLM's way of registering one: views of the
+tensors given, lora_B scaled in place)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engines.vllm.adapters import VllmAdapters
-from engines.weight_sync.adapter import LoraSpec, adapter_id
+import torch
+
+from engines.vllm.adapters import Built, VllmAdapters
+from engines.weight_sync.adapter import LoraSpec, PackedAdapter, adapter_id
+from engines.weight_sync.buckets import pack_bucket, plan_buckets
+from engines.weight_sync.manifest import Manifest
 
 NAME = "base_model.model.model.layers.0.self_attn.{}.lora_A.weight"
 
@@ -48,3 +54,50 @@ def test_more_adapters_than_vllm_s_cache_holds_are_refused():
     (problem,) = adapters([2, 3]).problems(spec, [NAME.format("q_proj")], 4, remove=[])
     assert problem.startswith("3 adapters would be loaded, above max_cpu_loras=2")
     assert adapters([2, 3]).problems(spec, [NAME.format("q_proj")], 4, remove=[2]) == []
+
+
+def packed(values: dict[str, torch.Tensor]) -> PackedAdapter:
+    manifest = Manifest.of(list(values.items()))
+    (bucket,) = plan_buckets(manifest, 1 << 20).buckets
+    return PackedAdapter(pack_bucket(bucket, values), bucket)
+
+
+def merged(views: dict[str, torch.Tensor], scaling: float, lora_id: int) -> SimpleNamespace:
+    """What vLLM 0.26 registers: views of the tensors given, lora_B scaled in place."""
+    loras = {}
+    for name, tensor in views.items():
+        module = name.split(".lora_")[0]
+        weights = loras.setdefault(module, SimpleNamespace(lora_a=None, lora_b=None))
+        if ".lora_A." in name:
+            weights.lora_a = tensor
+        else:
+            weights.lora_b = tensor.mul_(scaling)
+    return SimpleNamespace(id=lora_id, loras=loras)
+
+
+def test_a_new_version_of_one_layout_is_the_removed_adapter_refilled():
+    spec = LoraSpec(2, 8.0, ("q_proj",))
+    names = [NAME.format("q_proj"), NAME.format("q_proj").replace("lora_A", "lora_B")]
+    first = {names[0]: torch.ones(2, 4), names[1]: torch.ones(4, 2)}
+    own, views = packed(first).copy_into()
+    lora = merged(views, 4.0, adapter_id(1))
+    built = Built.of(lora, own, packed(first).bucket, spec, 4.0)
+    assert built is not None
+    second = {names[0]: torch.full((2, 4), 3.0), names[1]: torch.full((4, 2), 5.0)}
+    assert built.fits(packed(second), spec)
+    assert not built.fits(packed(second), LoraSpec(2, 16.0, ("q_proj",)))
+    built.refill(packed(second), adapter_id(2))
+    (weights,) = lora.loras.values()
+    assert lora.id == adapter_id(2)
+    assert torch.equal(weights.lora_a, second[names[0]])
+    assert torch.equal(weights.lora_b, second[names[1]] * 4.0)  # as vLLM scales a new one
+
+
+def test_an_adapter_vllm_copied_is_built_anew():
+    spec = LoraSpec(2, 8.0, ("q_proj",))
+    values = {NAME.format("q_proj"): torch.ones(2, 4)}
+    adapter = packed(values)
+    own, views = adapter.copy_into()
+    copied = {n: t.clone() for n, t in views.items()}  # another dtype would copy so
+    assert Built.of(merged(copied, 4.0, 1), own, adapter.bucket, spec, 4.0) is None
+    assert Built.of(merged(views, 4.0, 1), own, adapter.bucket, spec, 4.0) is not None
