@@ -24,6 +24,7 @@ from gpu_helpers import (
     wait_gpus_released,
     wait_ready,
 )
+from openrlhf_calls import create_call
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 
@@ -95,24 +96,8 @@ def test_openrlhf_trainer_syncs_and_the_engine_follows(
     if gpu_count < 2:
         pytest.skip("the trainer needs a GPU of its own (NCCL refuses one shared GPU)")
     ray = ray_gpu
-    # cli/train_ppo_ray.py's call, by keyword.
     engines = create_vllm_engines(
-        num_engines=1,
-        tensor_parallel_size=1,
-        pretrain=gpu_model,
-        seed=42,
-        full_determinism=False,
-        enable_prefix_caching=False,
-        enforce_eager=True,
-        max_model_len=2048,
-        shared_pg=None,
-        gpu_memory_utilization=0.3,
-        vllm_enable_sleep=False,
-        logprobs_mode=None,
-        agent_func_path=None,
-        remote_rm_url=None,
-        max_images_per_prompt=0,
-        backend="vllm",
+        **create_call(gpu_model, max_model_len=2048, gpu_memory_utilization=0.3, backend="vllm")
     )
     # Ray workers cannot import tests/gpu: ship this code by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
