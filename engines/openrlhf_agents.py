@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,23 @@ class AgentRollout:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class AgentPrompt:
+    """One prompt as OpenRLHF's executors take it: the arguments of
+    `AgentExecutorBase.execute` but `llm_engine`."""
+
+    prompt: str
+    label: Any
+    sampling_params: Any
+    max_length: int
+    hf_tokenizer: Any
+    images: Any = None
+
+    def execute(self, executor: Any, llm_engine: Any) -> Awaitable[dict[str, Any]]:
+        # The fields are named as `execute`'s parameters.
+        return executor.execute(**vars(self), llm_engine=llm_engine)
+
+
 class _Recorder:
     """The `llm_engine` handed to the executor by `agent_rollout`: the engine
     itself, keeping each turn's output for its weight versions."""
@@ -131,41 +149,17 @@ class AgentApi:
         `num_samples` executions of the engine's executor, concurrently; one
         executor output dict each (observation_tokens, action_ranges,
         rollout_log_probs, reward, scores, truncated, extra_logs, ...)."""
+        request = AgentPrompt(prompt, label, sampling_params, max_length, hf_tokenizer, images)
         executor = self._agent_executor(self.config.agent_func_path)
-        tasks = [
-            executor.execute(
-                prompt=prompt,
-                label=label,
-                sampling_params=sampling_params,
-                max_length=max_length,
-                hf_tokenizer=hf_tokenizer,
-                llm_engine=self,
-                images=images,
-            )
-            for _ in range(num_samples)
-        ]
-        return await asyncio.gather(*tasks)
+        return await asyncio.gather(*(request.execute(executor, self) for _ in range(num_samples)))
 
     async def agent_rollout(
-        self,
-        prompt: str,
-        label: Any,
-        sampling_params: Any,
-        max_length: int,
-        hf_tokenizer: Any,
-        agent_func_path: str | None,
+        self, request: AgentPrompt, agent_func_path: str | None
     ) -> AgentRollout:
         """One execution of `agent_func_path`'s executor, as
         `generate_responses` runs it, turned into an `AgentRollout`."""
         recorder = _Recorder(self)
-        output = await self._agent_executor(agent_func_path).execute(
-            prompt=prompt,
-            label=label,
-            sampling_params=sampling_params,
-            max_length=max_length,
-            hf_tokenizer=hf_tokenizer,
-            llm_engine=recorder,
-        )
+        output = await request.execute(self._agent_executor(agent_func_path), recorder)
         return agent_rollout(output, recorder.outputs, self.config.name)
 
 
@@ -249,9 +243,8 @@ async def run_openrlhf_agent(
     executor) on `engine`'s actor, as its trainer's `generate_responses`
     call does, for one sample. Raises the engine's error, `EngineDeadError`
     or `EngineTimeoutError` after `timeout_s`."""
-    ref = engine.agent_rollout.remote(
-        prompt, label, sampling_params, max_length, tokenizer, agent_func_path
-    )
+    request = AgentPrompt(prompt, label, sampling_params, max_length, tokenizer)
+    ref = engine.agent_rollout.remote(request, agent_func_path)
     try:
         return await asyncio.wait_for(ref, timeout_s)
     except TimeoutError:

@@ -242,6 +242,17 @@ def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | 
             logger.info("replacement engine synced to weight version %d", report.version)
 
 
+def start_try(
+    pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | None, prompts: Prompts
+) -> ShardStore:
+    """The start of a generation task's try: a failed engine replaced, and the
+    iteration's shard store, without the partial files an earlier try left."""
+    replace_failed(pool, plan, policy)
+    store = ShardStore(plan.directory, plan.output.output_format, prompts.columns)
+    store.remove_partial_files()
+    return store
+
+
 @task(
     cache_policy=NO_CACHE,
     persist_result=False,
@@ -260,9 +271,7 @@ def generate_rollouts(
     current weights before any work, so it never serves an older version.
     `scorer`: a `RewardScorer` actor scoring each shard before it is written."""
     began = time.monotonic()
-    replace_failed(pool, plan, policy)
-    store = ShardStore(plan.directory, plan.output.output_format, prompts.columns)
-    store.remove_partial_files()
+    store = start_try(pool, plan, policy, prompts)
     kind = ShardWriter
     if plan.agent is not None:
         from tasks.agent_writer import AgentWriter  # it builds on ShardWriter

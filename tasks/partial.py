@@ -39,8 +39,8 @@ from tasks.generate import (
     IterationReport,
     PolicyLink,
     add_rewards,
-    replace_failed,
     restarts,
+    start_try,
 )
 from tasks.run.pool import EnginePool
 from tasks.run.progress import IterationProgress
@@ -131,9 +131,7 @@ def generate_partial_rollouts(
     """Generate iteration `plan.generation.iteration` of a `partial` run."""
     began = time.monotonic()
     g, logger = plan.generation, get_run_logger()
-    replace_failed(pool, g, policy)
-    store = ShardStore(g.directory, g.output.output_format, prompts.columns)
-    store.remove_partial_files()
+    store = start_try(pool, g, policy, prompts)
     carry = CarryStore(g.run_dir)
     batch = len(prompts)
     shard = Shard(0, 0, batch)

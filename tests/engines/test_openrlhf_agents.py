@@ -13,6 +13,14 @@ import sys
 import pytest
 import ray
 import torch
+from openrlhf_calls import (
+    AGENT,
+    FEEDBACK,
+    PROMPT,
+    create_call,
+    dispatch_sampling_params,
+    generate_responses,
+)
 from transformers import AutoConfig, AutoTokenizer
 
 from engines import EngineSpecError, SamplingParams, create_vllm_engines, destroy_engines
@@ -21,62 +29,6 @@ from engines.trajectory import NOT_SAMPLED
 from engines.weight_sync import SyncConfig, sync_from_checkpoint
 
 pytest.importorskip("openrlhf.utils.agent", reason="pip install --no-deps openrlhf==0.11.2")
-
-PROMPT = "The quick brown fox"
-FEEDBACK = " Again?"
-# An agent file as OpenRLHF's examples write one (examples/python/agent_func.py):
-# an AgentInstanceBase and an AgentExecutor over it. It is never done: every
-# rollout ends when the token budget runs out, mid-conversation.
-AGENT = f"""
-import torch
-from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
-
-
-class AgentInstance(AgentInstanceBase):
-    def __init__(self, *args, **kwargs):
-        self.step_idx = 0
-
-    async def reset(self, states: dict, **kwargs):
-        return {{"observation": states["observation"]}}
-
-    async def step(self, states: dict, **kwargs):
-        self.step_idx += 1
-        return {{
-            "rewards": torch.tensor(0.5),
-            "scores": torch.tensor(float(self.step_idx)),
-            "environment_feedback": {FEEDBACK!r},
-            "done": False,
-            "sampling_params": states.get("sampling_params", None),
-            "extra_logs": {{"steps": torch.tensor(self.step_idx)}},
-        }}
-
-
-class AgentExecutor(MultiTurnAgentExecutor):
-    def __init__(self):
-        super().__init__(AgentInstance)
-"""
-
-
-def openrlhf_call(pretrain: str, agent_func_path: str | None) -> dict:
-    """cli/train_ppo_ray.py's create_vllm_engines call, by keyword; its
-    argument check sets `remote_url = "agent"` beside an agent_func_path."""
-    return dict(
-        num_engines=1,
-        tensor_parallel_size=1,
-        pretrain=pretrain,
-        seed=42,
-        full_determinism=False,
-        enable_prefix_caching=False,
-        enforce_eager=True,
-        max_model_len=256,
-        shared_pg=None,
-        gpu_memory_utilization=None,
-        vllm_enable_sleep=False,
-        logprobs_mode=None,
-        agent_func_path=agent_func_path,
-        remote_rm_url="agent" if agent_func_path else None,
-        max_images_per_prompt=0,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +40,7 @@ def agent_file(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def agent_engines(ray_local_module, tiny_model, agent_file):
-    engines = create_vllm_engines(**openrlhf_call(tiny_model, agent_file))
+    engines = create_vllm_engines(**create_call(tiny_model, agent_func_path=agent_file))
     ray.get(engines[0].ready.remote(), timeout=120)
     yield engines, AutoTokenizer.from_pretrained(tiny_model)
     destroy_engines(engines)
@@ -100,28 +52,12 @@ def test_trainer_drives_agent_func_path(agent_engines):
     prompt; each response becomes an experience as it builds one."""
     engines, tokenizer = agent_engines
     generate_kwargs = {"temperature": 1.0, "max_len": 64, "n_samples_per_prompt": 2}
-    sampling_params = SamplingParams(
-        temperature=generate_kwargs.get("temperature", 1.0),
-        top_p=generate_kwargs.get("top_p", 1.0),
-        top_k=generate_kwargs.get("top_k", -1),
-        max_tokens=generate_kwargs.get("max_new_tokens"),  # None = dynamic per-prompt
-        min_tokens=generate_kwargs.get("min_new_tokens", 1),
-        skip_special_tokens=generate_kwargs.get("skip_special_tokens", False),
-        logprobs=1,
-    )
-    truncate_length = generate_kwargs.get("max_len", 2048)
-    n_samples = generate_kwargs.get("n_samples_per_prompt", 1)
+    sampling_params = dispatch_sampling_params(SamplingParams, generate_kwargs)
+    truncate_length = generate_kwargs["max_len"]
+    n_samples = generate_kwargs["n_samples_per_prompt"]
     pending_counts = ray.get([e.get_num_unfinished_requests.remote() for e in engines], timeout=60)
     assert pending_counts == [0]
-    ref = engines[0].generate_responses.remote(
-        prompt=PROMPT,
-        label="a label",
-        sampling_params=sampling_params,
-        max_length=truncate_length,
-        hf_tokenizer=tokenizer,
-        num_samples=n_samples,
-        images=None,
-    )
+    ref = generate_responses(engines[0], sampling_params, tokenizer, generate_kwargs, "a label")
     responses = ray.get(ref, timeout=300)
     assert len(responses) == n_samples
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
@@ -219,7 +155,7 @@ def test_bad_agent_func_path_is_refused_before_engines_exist(
     monkeypatch.chdir(tmp_path)
     before = ray.util.list_named_actors(all_namespaces=True)
     with pytest.raises(EngineSpecError, match=message):
-        create_vllm_engines(**openrlhf_call(tiny_model, path))
+        create_vllm_engines(**create_call(tiny_model, agent_func_path=path))
     assert ray.util.list_named_actors(all_namespaces=True) == before
 
 
@@ -228,7 +164,7 @@ def test_without_openrlhf_agent_func_path_names_the_package(
 ):
     monkeypatch.setitem(sys.modules, "openrlhf", None)  # not importable, as when not installed
     with pytest.raises(EngineSpecError, match="pip install --no-deps openrlhf==0.11.2"):
-        create_vllm_engines(**openrlhf_call(tiny_model, agent_file))
+        create_vllm_engines(**create_call(tiny_model, agent_func_path=agent_file))
 
 
 def test_sampled_tokens_carry_the_version_that_sampled_them(agent_engines, agent_file, tiny_model):

@@ -12,12 +12,12 @@ import time
 import pytest
 import ray
 import torch
+from openrlhf_calls import PROMPT, create_call
 
 from engines import SamplingParams, batch_vllm_engine_call, create_vllm_engines, destroy_engines
 
 agent = pytest.importorskip("openrlhf.utils.agent", reason="pip install --no-deps openrlhf==0.11.2")
 
-PROMPT = "The quick brown fox"
 REWARD = """
 import torch
 
@@ -57,36 +57,11 @@ class TwoTurns(agent.AgentInstanceBase):
         }
 
 
-def openrlhf_call(pretrain: str, **changes) -> dict:
-    """cli/train_ppo_ray.py:66-82's create_vllm_engines call, by keyword (our
-    positional order is the seed's)."""
-    return (
-        dict(
-            num_engines=1,
-            tensor_parallel_size=1,
-            pretrain=pretrain,
-            seed=42,
-            full_determinism=False,
-            enable_prefix_caching=False,
-            enforce_eager=True,
-            max_model_len=256,
-            shared_pg=None,
-            gpu_memory_utilization=None,
-            vllm_enable_sleep=True,
-            logprobs_mode=None,
-            agent_func_path=None,
-            remote_rm_url=None,
-            max_images_per_prompt=0,
-        )
-        | changes
-    )
-
-
 @pytest.fixture(scope="module")
 def openrlhf_engines(ray_local_module, tiny_model):
     from transformers import AutoTokenizer
 
-    engines = create_vllm_engines(**openrlhf_call(tiny_model))
+    engines = create_vllm_engines(**create_call(tiny_model, vllm_enable_sleep=True))
     health = ray.get(engines[0].health.remote(), timeout=120)
     assert health["sleeping"] == ["kv_cache", "weights"]  # asleep once created, as OpenRLHF's
     # ppo_utils/samples_generator.py:66-67
@@ -99,9 +74,7 @@ def test_evaluation_engines_beside_rollout_engines(openrlhf_engines, tiny_model)
     """A second call in the same namespace, no name_prefix (OpenRLHF's
     evaluation engines); with logprobs_mode as its correction mode sets it."""
     rollout, _ = openrlhf_engines
-    evaluation = create_vllm_engines(
-        **openrlhf_call(tiny_model, vllm_enable_sleep=False, logprobs_mode="processed_logprobs")
-    )
+    evaluation = create_vllm_engines(**create_call(tiny_model, logprobs_mode="processed_logprobs"))
     try:
         assert evaluation.name_prefix != rollout.name_prefix
         params = SamplingParams(temperature=0.7, top_k=5, max_tokens=6, logprobs=1, seed=3)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engines import EngineSet
 
 # Seconds an engine may take to come up (vLLM start-up is ~50-80 s on an H200).
 READY_TIMEOUT_S = 300
@@ -128,6 +134,56 @@ def wait_gpus_released(baseline_mib: list[int], slack_mib: int = 2048, timeout_s
                 f"baseline {baseline_mib} MiB"
             )
         time.sleep(0.5)
+
+
+def vllm_engine(model: str, name_prefix: str, **options: Any) -> EngineSet:
+    """One vLLM engine of `model` as the suite starts them (2048 tokens, 30%
+    of a GPU, no CUDA graphs: it starts in seconds); `options` add to or
+    replace those (create_vllm_engines' keywords)."""
+    from engines import create_vllm_engines
+
+    options = {"max_len": 2048, "gpu_memory_utilization": 0.3, "enforce_eager": True} | options
+    return create_vllm_engines(
+        num_engines=1, pretrain=model, backend="vllm", name_prefix=name_prefix, **options
+    )
+
+
+@contextlib.contextmanager
+def colocated(
+    model: str,
+    baseline_mib: list[int],
+    start_policy: Callable[..., Any],
+    name_prefix: str,
+    what: str,
+    **engine_options: Any,
+) -> Iterator[tuple[EngineSet, Any]]:
+    """One `vllm_engine` of `model` (1024 tokens unless `engine_options` say
+    otherwise) and the policy `start_policy` starts, sharing one GPU bundle
+    (OpenRLHF's colocation); ready on entry. On exit both end, and the GPUs
+    are back near `baseline_mib`."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from engines import destroy_engines
+
+    pg = placement_group([{"GPU": 1, "CPU": 2}])
+    ray.get(pg.ready(), timeout=60)
+    engines = vllm_engine(model, name_prefix, shared_pg=pg, **{"max_len": 1024} | engine_options)
+    policy = start_policy(
+        model,
+        num_cpus=0.2,
+        num_gpus=0.2,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    )
+    try:
+        wait_ready(engines, what)
+        yield engines, policy
+    finally:
+        ray.kill(policy)
+        destroy_engines(engines)
+        remove_placement_group(pg)
+        wait_gpus_released(baseline_mib)
 
 
 def kill_engine_core(engine) -> list[int]:

@@ -9,16 +9,19 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_helpers import gpu_used_mib, wait_gpus_released, wait_ready
+from gpu_helpers import (
+    PARITY_SEQUENCES,
+    colocated,
+    engine_prompt_logprobs,
+    gpu_used_mib,
+    logprob_distance,
+)
 from gpu_trainer import BF16Policy
 from policy_probes import PolicyProbes
-
-from engines import SamplingParams, create_vllm_engines, destroy_engines
 
 TIMEOUT_S = 180
 RANK = 16
@@ -30,7 +33,6 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 #: Adapter versions each engine keeps (the policy's max_staleness + 1): the
 #: engine's max_loras must hold them.
 KEEP = 2
-SEQUENCES = [list(range(5, 69)), [7, 99, 3, 250, 18, 64, 64, 12] * 4, list(range(200, 240))]
 
 
 def write_qwen2_half_b(path: Path) -> str:
@@ -120,63 +122,20 @@ def start_lora_policy(pretrain: str, **options: Any):
     return ray.remote(LoraPolicy).options(max_restarts=0, **options).remote(config.model_dump())
 
 
-@contextlib.contextmanager
-def lora_engine_and_policy(model: str, baseline_mib: list[int]) -> Iterator[tuple[list, Any]]:
+def lora_engine_and_policy(
+    model: str, baseline_mib: list[int]
+) -> contextlib.AbstractContextManager[tuple[list, Any]]:
     """One vLLM engine with LoRA and the LoRA policy, sharing one GPU."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = placement_group([{"GPU": 1, "CPU": 2}])
-    ray.get(pg.ready(), timeout=60)
-    engines = create_vllm_engines(
-        num_engines=1,
-        pretrain=model,
-        max_len=1024,
-        gpu_memory_utilization=0.3,
-        backend="vllm",
-        name_prefix="gpu-lora",
-        shared_pg=pg,
-        enforce_eager=True,
+    return colocated(
+        model,
+        baseline_mib,
+        start_lora_policy,
+        "gpu-lora",
+        "1 engine with LoRA colocated with the trainer",
         enable_lora=True,
         max_lora_rank=RANK,
         max_loras=KEEP,
     )
-    policy = start_lora_policy(
-        model,
-        num_cpus=0.2,
-        num_gpus=0.2,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    )
-    try:
-        wait_ready(engines, "1 engine with LoRA colocated with the trainer")
-        yield engines, policy
-    finally:
-        ray.kill(policy)
-        destroy_engines(engines)
-        remove_placement_group(pg)
-        wait_gpus_released(baseline_mib)
-
-
-def engine_logprobs(engine) -> list[list[float]]:
-    import ray
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outputs = ray.get(engine.generate.remote(SEQUENCES, params), timeout=TIMEOUT_S)
-    return [
-        [
-            step[t].logprob
-            for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
-        ]
-        for o in outputs
-    ]
-
-
-def distance(ours: list[list[float]], theirs: list[list[float]]) -> tuple[float, float]:
-    flat = [
-        abs(a - b) for x, y in zip(ours, theirs, strict=True) for a, b in zip(x, y, strict=True)
-    ]
-    return max(flat), sum(flat) / len(flat)
 
 
 @dataclass(frozen=True)
@@ -204,13 +163,13 @@ def adapter_syncs(engines, policy, transport: str, syncs: int, perturb: float, d
         init = policy.init_weight_sync.remote(engines, transport=transport, **options)
         ray.get(init, timeout=TIMEOUT_S)
     engine = engines[0]
-    before = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
+    before = ray.get(policy.sequence_logprobs.remote(PARITY_SEQUENCES), timeout=TIMEOUT_S)
     done = []
     for _ in range(syncs):
         version = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["weight_version"] + 1
         ray.get(policy.perturb.remote(perturb, seed=version), timeout=TIMEOUT_S)
         policy_version = ray.get(policy.health.remote(), timeout=TIMEOUT_S)["weight_version"]
-        after = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
+        after = ray.get(policy.sequence_logprobs.remote(PARITY_SEQUENCES), timeout=TIMEOUT_S)
         if transport == "vllm_native":
             report = None
             sync = policy.sync_adapter_with_vllm_api.remote(engines)
@@ -218,8 +177,8 @@ def adapter_syncs(engines, policy, transport: str, syncs: int, perturb: float, d
         else:
             report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
             seconds = report.seconds
-        worst, mean = distance(engine_logprobs(engine), after)
-        _, stale = distance(before, after)
+        worst, mean = logprob_distance(engine_prompt_logprobs(engine, TIMEOUT_S), after)
+        _, stale = logprob_distance(before, after)
         served = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["weight_version"]
         assert served == policy_version == version, (served, policy_version, version)
         done.append(AdapterSync(worst, mean, stale, seconds, report, served))

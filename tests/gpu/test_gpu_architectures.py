@@ -19,14 +19,12 @@ import pytest
 from architectures import ARCHITECTURES, VLLM_CLASSES, write
 from gpu_helpers import (
     PARITY_SEQUENCES,
+    colocated,
     engine_prompt_logprobs,
     logprob_distance,
-    wait_gpus_released,
-    wait_ready,
 )
 from gpu_trainer import start_bf16_policy
 
-from engines import create_vllm_engines, destroy_engines
 from engines.weight_sync.worker import REPLAY_PROVEN
 
 pytestmark = pytest.mark.gpu
@@ -60,31 +58,15 @@ def check_plan(ray, arch, engine) -> None:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_transport_into_every_architecture(arch, ray_gpu, gpu_baseline, tmp_path_factory):
     ray = ray_gpu
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     model = str(write(arch, tmp_path_factory.mktemp(arch) / "model", **SHAPE))
-    pg = placement_group([{"GPU": 1, "CPU": 2}])
-    ray.get(pg.ready(), timeout=60)
-    engines = create_vllm_engines(
-        num_engines=1,
-        pretrain=model,
-        max_len=1024,
-        gpu_memory_utilization=0.3,
-        backend="vllm",
-        name_prefix=f"gpu-arch-{arch}",
-        shared_pg=pg,
-        enforce_eager=True,
-    )
-    policy = start_bf16_policy(
+    with colocated(
         model,
-        num_cpus=0.2,
-        num_gpus=0.2,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    )
-    engine = engines[0]
-    try:
-        wait_ready(engines, f"{arch}: 1 engine colocated with the trainer")
+        gpu_baseline,
+        start_bf16_policy,
+        f"gpu-arch-{arch}",
+        f"{arch}: 1 engine colocated with the trainer",
+    ) as (engines, policy):
+        engine = engines[0]
         check_parity(ray, arch, engine, policy, "before any sync")
         ray.get(policy.init_weight_sync.remote(engines, transport="cuda_ipc"), timeout=TIMEOUT_S)
         for seed in (1, 2):
@@ -112,8 +94,3 @@ def test_every_transport_into_every_architecture(arch, ray_gpu, gpu_baseline, tm
         report = ray.get(policy.sync_weights.remote(), timeout=TIMEOUT_S)
         assert report.verified, report
         check_parity(ray, arch, engine, policy, "after a checkpoint sync")
-    finally:
-        ray.kill(policy)
-        destroy_engines(engines)
-        remove_placement_group(pg)
-        wait_gpus_released(gpu_baseline)

@@ -12,10 +12,10 @@ import concurrent.futures
 import httpx
 import openai
 import pytest
-from gpu_helpers import wait_gpus_released, wait_ready
+from gpu_helpers import vllm_engine, wait_gpus_released, wait_ready
 from waiting import wait_until
 
-from engines import SamplingParams, create_vllm_engines, destroy_engines
+from engines import SamplingParams, destroy_engines
 
 pytestmark = pytest.mark.gpu
 
@@ -37,14 +37,10 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def engines(ray_gpu, gpu_model, gpu_baseline):
-    engines = create_vllm_engines(
-        num_engines=1,
-        pretrain=gpu_model,
+    engines = vllm_engine(
+        gpu_model,
+        "gpu-openai",
         max_len=MAX_LEN,
-        gpu_memory_utilization=0.3,
-        backend="vllm",
-        name_prefix="gpu-openai",
-        enforce_eager=True,
         enable_prefix_caching=True,
         openai_api=True,
         tool_call_parser="hermes",

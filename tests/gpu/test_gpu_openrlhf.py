@@ -21,9 +21,11 @@ from gpu_helpers import (
     SYNCED_MAX_ABS,
     SYNCED_MEAN_ABS,
     assert_logprob_parity,
+    vllm_engine,
     wait_gpus_released,
     wait_ready,
 )
+from openrlhf_calls import create_call
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 
@@ -95,24 +97,8 @@ def test_openrlhf_trainer_syncs_and_the_engine_follows(
     if gpu_count < 2:
         pytest.skip("the trainer needs a GPU of its own (NCCL refuses one shared GPU)")
     ray = ray_gpu
-    # cli/train_ppo_ray.py's call, by keyword.
     engines = create_vllm_engines(
-        num_engines=1,
-        tensor_parallel_size=1,
-        pretrain=gpu_model,
-        seed=42,
-        full_determinism=False,
-        enable_prefix_caching=False,
-        enforce_eager=True,
-        max_model_len=2048,
-        shared_pg=None,
-        gpu_memory_utilization=0.3,
-        vllm_enable_sleep=False,
-        logprobs_mode=None,
-        agent_func_path=None,
-        remote_rm_url=None,
-        max_images_per_prompt=0,
-        backend="vllm",
+        **create_call(gpu_model, max_model_len=2048, gpu_memory_utilization=0.3, backend="vllm")
     )
     # Ray workers cannot import tests/gpu: ship this code by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -258,19 +244,6 @@ def greedy(ray, engine) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def colocated_engine(gpu_model: str, pg, prefix: str) -> list:
-    return create_vllm_engines(
-        num_engines=1,
-        pretrain=gpu_model,
-        max_len=2048,
-        gpu_memory_utilization=0.3,
-        backend="vllm",
-        name_prefix=prefix,
-        shared_pg=pg,
-        enforce_eager=True,
-    )
-
-
 def test_openrlhf_colocated_cuda_ipc_sync_generates_as_its_checkpoint(
     ray_gpu, gpu_model, gpu_baseline, tmp_path
 ):
@@ -281,7 +254,7 @@ def test_openrlhf_colocated_cuda_ipc_sync_generates_as_its_checkpoint(
     checkpoint = str(tmp_path / "trainer-checkpoint")
     pg = placement_group([{"GPU": 1, "CPU": 2}])
     ray.get(pg.ready(), timeout=60)
-    engines = colocated_engine(gpu_model, pg, "orlhf-ipc")
+    engines = vllm_engine(gpu_model, "orlhf-ipc", shared_pg=pg)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     on_the_engines_gpu = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     trainer = (
@@ -301,7 +274,7 @@ def test_openrlhf_colocated_cuda_ipc_sync_generates_as_its_checkpoint(
         ray.kill(trainer)
         destroy_engines(engines)
         wait_gpus_released(gpu_baseline)
-        reloaded = colocated_engine(checkpoint, pg, "orlhf-reload")
+        reloaded = vllm_engine(checkpoint, "orlhf-reload", shared_pg=pg)
         wait_ready(reloaded, "1 engine loaded from the trainer's checkpoint")
         expected = greedy(ray, reloaded[0])
         equal = sum(a == b for a, b in zip(synced, expected, strict=True))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-from gpu_helpers import wait_gpus_released, wait_ready
+from gpu_helpers import vllm_engine, wait_gpus_released, wait_ready
 
-from engines import SamplingParams, create_vllm_engines, destroy_engines
+from engines import SamplingParams, destroy_engines
 from tasks.run.pool import EnginePool
 from tasks.run.resume import SegmentRunner
 from tasks.run.segments import GroupState, SampleState
@@ -24,9 +24,7 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def pool(ray_gpu, gpu_model, gpu_baseline):
-    engines = create_vllm_engines(
-        1, gpu_model, 2048, 0.3, backend="vllm", name_prefix="gpu-partial", enforce_eager=True
-    )
+    engines = vllm_engine(gpu_model, "gpu-partial")
     try:
         wait_ready(engines, "one engine")
         yield EnginePool(engines)

@@ -5,7 +5,13 @@ tensor-parallel engine spread over two GPUs by vLLM's Ray executor."""
 from __future__ import annotations
 
 import pytest
-from gpu_helpers import MODEL_SHAPE, assert_logprob_parity, wait_gpus_released, wait_ready
+from gpu_helpers import (
+    MODEL_SHAPE,
+    assert_logprob_parity,
+    vllm_engine,
+    wait_gpus_released,
+    wait_ready,
+)
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.tiny_model import build_tiny_model
@@ -60,16 +66,7 @@ def test_tensor_parallel_engine_through_vllm_ray_executor(
     if gpu_count < 2:
         pytest.skip("TP=2 needs two GPUs of one host")
     ray = ray_gpu
-    engines = create_vllm_engines(
-        num_engines=1,
-        pretrain=gpu_model,
-        max_len=2048,
-        gpu_memory_utilization=0.3,
-        tensor_parallel_size=2,
-        backend="vllm",
-        name_prefix="gpu-tp2",
-        enforce_eager=True,
-    )
+    engines = vllm_engine(gpu_model, "gpu-tp2", tensor_parallel_size=2)
     try:
         wait_ready(engines, "1 TP=2 engine (vLLM Ray executor)")
         health = ray.get(engines[0].health.remote(), timeout=TIMEOUT_S)

@@ -43,14 +43,13 @@ from gpu_helpers import (
     SYNCED_MAX_ABS,
     SYNCED_MEAN_ABS,
     SyncParity,
+    colocated,
     engine_prompt_logprobs,
     logprob_distance,
     wait_gpus_released,
-    wait_ready,
 )
 from gpu_trainer import start_bf16_policy
 
-from engines import create_vllm_engines, destroy_engines
 from engines.weight_sync.worker import REPLAY_PROVEN
 
 pytestmark = pytest.mark.gpu
@@ -191,42 +190,21 @@ def check_loading(ray, row: Row, engine) -> None:
 @pytest.mark.parametrize("row", ROWS, ids=[row.name for row in ROWS])
 def test_weight_format_row(row, ray_gpu, gpu_baseline, tmp_path_factory):
     ray = ray_gpu
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     model = str(write(row.arch, tmp_path_factory.mktemp(row.name) / "model", **SHAPE))
-    pg = placement_group([{"GPU": 1, "CPU": 2}])
-    ray.get(pg.ready(), timeout=60)
     quantized = {"quantization": row.quantization} if row.quantization else {}
-    engines = create_vllm_engines(
-        num_engines=1,
-        pretrain=model,
-        max_len=1024,
-        gpu_memory_utilization=0.3,
-        backend="vllm",
-        name_prefix=f"gpu-formats-{row.name}",
-        shared_pg=pg,
-        enforce_eager=True,
-        **quantized,
-    )
-    policy = start_bf16_policy(
-        model,
-        num_cpus=0.2,
-        num_gpus=0.2,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    )
     cells: list[Cell] = []
-    try:
-        wait_ready(engines, f"{row.name}: 1 engine colocated with the trainer")
+    with colocated(
+        model,
+        gpu_baseline,
+        start_bf16_policy,
+        f"gpu-formats-{row.name}",
+        f"{row.name}: 1 engine colocated with the trainer",
+        **quantized,
+    ) as (engines, policy):
         for transport in TRANSPORTS:
             directory = str(tmp_path_factory.mktemp(f"{row.name}-{transport}"))
             cells.append(run_cell(ray, row, transport, engines, policy, directory))
             print(cells[-1].line())
-    finally:
-        ray.kill(policy)
-        destroy_engines(engines)
-        remove_placement_group(pg)
-        wait_gpus_released(gpu_baseline)
     failed = [cell.line() for cell in cells if cell.problems()]
     assert not failed, failed
 

@@ -9,43 +9,34 @@ verify), and the third of them reuses the handles the engine kept."""
 from __future__ import annotations
 
 import pytest
-from gpu_helpers import SYNCED_MAX_ABS, SYNCED_MEAN_ABS, wait_gpus_released, wait_ready
+from gpu_helpers import (
+    PARITY_SEQUENCES,
+    SYNCED_MAX_ABS,
+    SYNCED_MEAN_ABS,
+    colocated,
+    engine_prompt_logprobs,
+    logprob_distance,
+    vllm_engine,
+    wait_gpus_released,
+    wait_ready,
+)
 from gpu_trainer import start_bf16_policy
 
-from engines import SamplingParams, create_vllm_engines, destroy_engines
+from engines import SamplingParams, destroy_engines
 from engines.weight_sync import SyncReport
 
 pytestmark = pytest.mark.gpu
 
-# Fixed sequences whose per-token logprobs engine and trainer must agree on.
-SEQUENCES = [list(range(5, 69)), [7, 99, 3, 250, 18, 64, 64, 12] * 4, list(range(200, 240))]
 TIMEOUT_S = 180
 # A sync that loaded nothing leaves the logprobs where they were; noise of std
 # 0.02 on weights of std 0.02 moves them by far more than the parity bound.
 MOVED_MIN = 0.5
 
 
-def engine_logprobs(ray, engine) -> list[list[float]]:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outputs = ray.get(engine.generate.remote(SEQUENCES, params), timeout=TIMEOUT_S)
-    return [
-        [
-            step[t].logprob
-            for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
-        ]
-        for o in outputs
-    ]
-
-
-def diffs(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
-    flat = [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
-    return max(flat), sum(flat) / len(flat)
-
-
 def assert_matches_trainer(ray, engine, policy, what: str) -> list[list[float]]:
-    ours = engine_logprobs(ray, engine)
-    trainer = ray.get(policy.sequence_logprobs.remote(SEQUENCES), timeout=TIMEOUT_S)
-    worst, mean = diffs(ours, trainer)
+    ours = engine_prompt_logprobs(engine, TIMEOUT_S)
+    trainer = ray.get(policy.sequence_logprobs.remote(PARITY_SEQUENCES), timeout=TIMEOUT_S)
+    worst, mean = logprob_distance(ours, trainer)
     print(f"{what}: engine vs trainer logprobs max |diff| {worst:.4f}, mean {mean:.4f}")
     assert worst < SYNCED_MAX_ABS and mean < SYNCED_MEAN_ABS, (worst, mean)
     return ours
@@ -67,7 +58,7 @@ def sync_and_check(ray, engine, policy, before, seed: int, scale: float = 0.02) 
     (plan,) = ray.get(engine.collective_rpc.remote("copy_plan_status"), timeout=TIMEOUT_S)
     print(f"copy plan after sync v{version}: {plan}")
     assert plan["refused"] is None and plan["copies"] > 0
-    moved, _ = diffs(before, after)
+    moved, _ = logprob_distance(before, after)
     print(f"sync v{version} moved the engine's logprobs by up to {moved:.3f}")
     assert moved > MOVED_MIN, f"the engine's logprobs barely moved ({moved:.4f})"
     out = ray.get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=4)), timeout=60)
@@ -77,32 +68,17 @@ def sync_and_check(ray, engine, policy, before, seed: int, scale: float = 0.02) 
 
 def test_cuda_ipc_sync_into_a_sleeping_colocated_engine(ray_gpu, gpu_model, gpu_baseline):
     ray = ray_gpu
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     # One GPU bundle shared by the engine and the trainer (OpenRLHF's colocation).
-    pg = placement_group([{"GPU": 1, "CPU": 2}])
-    ray.get(pg.ready(), timeout=60)
-    engines = create_vllm_engines(
-        num_engines=1,
-        pretrain=gpu_model,
-        max_len=2048,
-        gpu_memory_utilization=0.3,
-        backend="vllm",
-        name_prefix="gpu-ipc",
-        shared_pg=pg,
-        enforce_eager=True,
-        enable_sleep_mode=True,
-    )
-    policy = start_bf16_policy(
+    with colocated(
         gpu_model,
-        num_cpus=0.2,
-        num_gpus=0.2,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    )
-    engine = engines[0]
-    try:
-        wait_ready(engines, "1 engine colocated with the trainer")
+        gpu_baseline,
+        start_bf16_policy,
+        "gpu-ipc",
+        "1 engine colocated with the trainer",
+        max_len=2048,
+        enable_sleep_mode=True,
+    ) as (engines, policy):
+        engine = engines[0]
         gpu = ray.get(engine.health.remote(), timeout=TIMEOUT_S)["gpus"][0]["gpu_uuid"]
         assert ray.get(policy.gpu_uuid.remote(), timeout=TIMEOUT_S) == gpu
         before = assert_matches_trainer(ray, engine, policy, "before any sync")
@@ -123,27 +99,14 @@ def test_cuda_ipc_sync_into_a_sleeping_colocated_engine(ray_gpu, gpu_model, gpu_
             # trainer waited on its CUDA event (the parity above reads the result).
             assert ("copies" in report.phases) == (seed >= 2), report.phases
             assert ray.get(engine.health.remote(), timeout=TIMEOUT_S)["sleeping"] == []
-            before = engine_logprobs(ray, engine)
-    finally:
-        ray.kill(policy)
-        destroy_engines(engines)
-        remove_placement_group(pg)
-        wait_gpus_released(gpu_baseline)
+            before = engine_prompt_logprobs(engine, TIMEOUT_S)
 
 
 def test_nccl_broadcast_from_a_trainer_on_another_gpu(ray_gpu, gpu_model, gpu_count, gpu_baseline):
     if gpu_count < 2:
         pytest.skip("NCCL between trainer and engine needs two GPUs (NCCL refuses one)")
     ray = ray_gpu
-    engines = create_vllm_engines(
-        num_engines=1,
-        pretrain=gpu_model,
-        max_len=2048,
-        gpu_memory_utilization=0.3,
-        backend="vllm",
-        name_prefix="gpu-nccl",
-        enforce_eager=True,
-    )
+    engines = vllm_engine(gpu_model, "gpu-nccl")
     policy = start_bf16_policy(gpu_model, num_cpus=1, num_gpus=1)
     engine = engines[0]
     try:
@@ -165,7 +128,7 @@ def test_nccl_broadcast_from_a_trainer_on_another_gpu(ray_gpu, gpu_model, gpu_co
         for seed in (1, 2):
             report = sync_and_check(ray, engine, policy, before, seed)
             assert report.transport == "broadcast" and report.buckets > 1
-            before = engine_logprobs(ray, engine)
+            before = engine_prompt_logprobs(engine, TIMEOUT_S)
     finally:
         ray.kill(policy)
         destroy_engines(engines)
