@@ -23,6 +23,7 @@ from openrlhf_calls import (
 )
 
 from engines import RequestError, create_vllm_engines, destroy_engines
+from engines import SamplingParams as OurSamplingParams
 from engines.openrlhf_agents import run_openrlhf_agent
 
 pytestmark = pytest.mark.gpu
@@ -62,10 +63,17 @@ def test_openrlhf_agent_func_path_on_vllm(ray_gpu, gpu_model, tmp_path):
             assert len(response["observation_tokens"]) >= truncate_length  # the budget ran out
             assert response["reward"] == 0.5 * len(response["action_ranges"])
             assert len(response["rollout_log_probs"]) == len(response["observation_tokens"])
-        # The executor's assignment, sent as a request: refused naming the field.
+        # The executor's assignment, sent as a request, refused naming the field:
+        # a vLLM SamplingParams checks itself as the actor unpickles it (Ray's
+        # RaySystemError, before our code runs); ours is checked by the request.
         sampling_params.max_tokens = -4
-        with pytest.raises(RequestError, match="max_tokens must be at least 1, got -4"):
+        refusal = "max_tokens must be at least 1, got -4"
+        with pytest.raises(ray.exceptions.RaySystemError, match=refusal):
             ray.get(engines[0].generate.remote([7, 8, 9], sampling_params), timeout=TIMEOUT_S)
+        ours = OurSamplingParams(max_tokens=8)
+        ours.max_tokens = -4
+        with pytest.raises(RequestError, match=refusal):
+            ray.get(engines[0].generate.remote([7, 8, 9], ours), timeout=TIMEOUT_S)
         rollout = asyncio.run(
             run_openrlhf_agent(
                 engines[0],
