@@ -228,9 +228,10 @@ class ShardWriter:
 def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | None) -> None:
     """A retry after an engine failure: the dead engine is replaced first (a
     warm spare woken, or a new engine on its bundle) and must be up, and
-    serve the policy's current weights, before it gets work. A generation
-    running beside this one waits here (its replacement's three steps each
-    have the ready deadline), then finds the engine replaced."""
+    serve the policy's current weights, before it gets work; an agent run's
+    router then routes to it. A generation running beside this one waits here
+    (its replacement's steps each have the ready deadline), then finds the
+    engine replaced."""
     logger = get_run_logger()
     timeout_s = plan.cluster.ready_timeout_s
     with pool.replacement(logger, timeout_s, 3 * timeout_s) as replaced:
@@ -240,6 +241,12 @@ def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | 
             sync = policy.handle.sync_weights.remote(list(pool.engines), reconnect=True)
             report = get(sync, timeout_s)
             logger.info("replacement engine synced to weight version %d", report.version)
+        router = plan.agent.router if plan.agent is not None else None
+        if replaced and router is not None:
+            # The agents' sessions reach the engines through the run's router:
+            # it must know the replacements (and forget the engines they replaced).
+            names = get(router.set_engines.remote(list(pool.engines), timeout_s), timeout_s)
+            logger.info("the router routes to %s", names)
 
 
 @task(
