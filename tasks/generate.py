@@ -121,7 +121,8 @@ class ShardWriter:
         self.logger = get_run_logger()
         # Shards: in every round, written, and found written when their round began.
         self.total = self.done = self.skipped = 0
-        self.rows = self.tokens = 0
+        # Rows this try wrote, and those of the shards it found written.
+        self.rows = self.tokens = self.reused_rows = 0
         self.reward_seconds = 0.0
         # The round running and its prompts: a shard's positions index `order`.
         self.round, self.order = 0, list(range(len(prompts)))
@@ -154,7 +155,9 @@ class ShardWriter:
         self.total += len(shards)
         self.done += len(shards) - len(todo)
         self.skipped += len(shards) - len(todo)
-        reused_rows = (len(order) - sum(len(shard) for shard in todo)) * plan.sampling.n
+        # Counted, not n per prompt: an agent's split session writes a row per piece.
+        reused_rows = sum(self.store.count_rows(s) for s in shards if s not in todo)
+        self.reused_rows += reused_rows
         if round_ == 0:
             self.progress.reused(reused_rows, restarts(self.pool))
         else:
@@ -306,7 +309,7 @@ def generate_rollouts(
         directory=str(plan.directory),
         shards=writer.total,
         shards_skipped=writer.skipped,
-        rows=groups * plan.sampling.n,
+        rows=writer.reused_rows + writer.rows,
         seconds=round(time.monotonic() - began, 2),
         generated_rows=writer.rows,
         generated_tokens=writer.tokens,
