@@ -32,6 +32,10 @@ _CONNECTION_LOST = (
     httpx.RemoteProtocolError,
 )
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+#: A request to the sessionless /v1 with this header is a turn of that session:
+#: clients that pin a rollout's turns by header (verifiers sends its trace id
+#: on every turn) get the session's recording without a per-session URL.
+SESSION_HEADER = "X-Session-ID"
 
 
 class ProxyError(Exception):
@@ -251,8 +255,9 @@ def _passthrough(request: Request, response: httpx.Response) -> Response:
 
 def build_app(proxy: SessionProxy) -> FastAPI:
     """The router's routes: a session's /sessions/{id}/v1/..., the sessionless
-    /v1/..., /tokenize and /detokenize. Served behind `engines.serving`'s
-    bearer-token auth and version header (`OpenAIServer`)."""
+    /v1/... (a session's turn with the X-Session-ID header), /tokenize and
+    /detokenize. Served behind `engines.serving`'s bearer-token auth and
+    version header (`OpenAIServer`)."""
     app = FastAPI(title="rolloutflow router", openapi_url=None)
 
     @app.exception_handler(ProxyError)
@@ -280,13 +285,20 @@ def build_app(proxy: SessionProxy) -> FastAPI:
     async def models(request: Request) -> Response:
         return _passthrough(request, await proxy.plain_request("GET", "/v1/models"))
 
-    def forwarding(path: str):
+    def forwarding(path: str, kind: Literal["chat", "completion"] | None):
         async def plain(request: Request) -> Response:
-            response = await proxy.plain_request("POST", path, await body_of(request))
+            body = await body_of(request)
+            session_id = request.headers.get(SESSION_HEADER)
+            if kind is not None and session_id:
+                response = await proxy.session_request(session_id, kind, body)
+            else:
+                response = await proxy.plain_request("POST", path, body)
             return _passthrough(request, response)
 
         return plain
 
-    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
-        app.add_api_route(path, forwarding(path), methods=["POST"])
+    for kind, path in _PATHS.items():
+        app.add_api_route(path, forwarding(path, kind), methods=["POST"])
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, forwarding(path, None), methods=["POST"])
     return app

@@ -88,6 +88,19 @@ class RouterActor:
         self._proxy.placement.add(name, url)
         return name
 
+    async def set_engines(self, engines: list[Any], timeout_s: float = 120.0) -> list[str]:
+        """Route to exactly `engines` from now on: the run replaced some (a
+        spare woken under another name, or a restart or a new actor at another
+        URL). Engines not among them are forgotten, their sessions move on
+        their next turn. Returns the engines' names."""
+        urls = dict([await self._endpoint(handle, timeout_s) for handle in engines])
+        for name in set(self._handles) - set(urls):
+            self._proxy.placement.remove(name)
+            del self._handles[name]
+        for name, url in urls.items():
+            self._proxy.placement.add(name, url)
+        return list(urls)
+
     async def take_trajectory(self, session_id: str) -> list[TrajectorySample]:
         """The session's samples, in order; the session is forgotten."""
         return await self._proxy.take(session_id)

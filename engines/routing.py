@@ -111,13 +111,21 @@ class Placement:
         load = self._loads.setdefault(engine, _Load(engine, url))
         load.url, load.alive = url, True
 
+    def remove(self, engine: str) -> None:
+        """`engine` is gone for good (replaced by another one): no request
+        goes there; its sessions move on their next turn, as after a failure."""
+        self._loads.pop(engine, None)
+        self.sessions = {s: e for s, e in self.sessions.items() if e != engine}
+
     def begin(self, engine: str) -> None:
         load = self._loads[engine]
         load.requests += 1
         load.in_flight += 1
 
     def end(self, engine: str, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
-        load = self._loads[engine]
+        load = self._loads.get(engine)
+        if load is None:  # removed while the request ran
+            return
         load.in_flight -= 1
         load.prompt_tokens += prompt_tokens
         load.cached_prompt_tokens += cached_tokens
@@ -125,9 +133,12 @@ class Placement:
     def connection_lost(self, engine: str, down: bool) -> None:
         """A request's connection to `engine` failed; `down`: the engine is
         dead, no new request goes there."""
-        self._loads[engine].failures += 1
+        load = self._loads.get(engine)
+        if load is None:  # removed while the request ran
+            return
+        load.failures += 1
         if down:
-            self._loads[engine].alive = False
+            load.alive = False
 
     def forget(self, session: str) -> None:
         self.sessions.pop(session, None)

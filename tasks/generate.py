@@ -121,7 +121,8 @@ class ShardWriter:
         self.logger = get_run_logger()
         # Shards: in every round, written, and found written when their round began.
         self.total = self.done = self.skipped = 0
-        self.rows = self.tokens = 0
+        # Rows this try wrote, and those of the shards it found written.
+        self.rows = self.tokens = self.reused_rows = 0
         self.reward_seconds = 0.0
         # The round running and its prompts: a shard's positions index `order`.
         self.round, self.order = 0, list(range(len(prompts)))
@@ -154,7 +155,9 @@ class ShardWriter:
         self.total += len(shards)
         self.done += len(shards) - len(todo)
         self.skipped += len(shards) - len(todo)
-        reused_rows = (len(order) - sum(len(shard) for shard in todo)) * plan.sampling.n
+        # Counted, not n per prompt: an agent's split session writes a row per piece.
+        reused_rows = sum(self.store.count_rows(s) for s in shards if s not in todo)
+        self.reused_rows += reused_rows
         if round_ == 0:
             self.progress.reused(reused_rows, restarts(self.pool))
         else:
@@ -228,9 +231,10 @@ class ShardWriter:
 def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | None) -> None:
     """A retry after an engine failure: the dead engine is replaced first (a
     warm spare woken, or a new engine on its bundle) and must be up, and
-    serve the policy's current weights, before it gets work. A generation
-    running beside this one waits here (its replacement's three steps each
-    have the ready deadline), then finds the engine replaced."""
+    serve the policy's current weights, before it gets work; an agent run's
+    router then routes to it. A generation running beside this one waits here
+    (its replacement's steps each have the ready deadline), then finds the
+    engine replaced."""
     logger = get_run_logger()
     timeout_s = plan.cluster.ready_timeout_s
     with pool.replacement(logger, timeout_s, 3 * timeout_s) as replaced:
@@ -240,6 +244,12 @@ def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | 
             sync = policy.handle.sync_weights.remote(list(pool.engines), reconnect=True)
             report = get(sync, timeout_s)
             logger.info("replacement engine synced to weight version %d", report.version)
+        router = plan.agent.router if plan.agent is not None else None
+        if replaced and router is not None:
+            # The agents' sessions reach the engines through the run's router:
+            # it must know the replacements (and forget the engines they replaced).
+            names = get(router.set_engines.remote(list(pool.engines), timeout_s), timeout_s)
+            logger.info("the router routes to %s", names)
 
 
 def start_try(
@@ -308,7 +318,7 @@ def generate_rollouts(
         directory=str(plan.directory),
         shards=writer.total,
         shards_skipped=writer.skipped,
-        rows=groups * plan.sampling.n,
+        rows=writer.reused_rows + writer.rows,
         seconds=round(time.monotonic() - began, 2),
         generated_rows=writer.rows,
         generated_tokens=writer.tokens,

@@ -109,6 +109,15 @@ class ShardStore:
             lines = (json.dumps(row, ensure_ascii=False, default=str) for row in rows)
             write_atomically(path, lines)
 
+    def count_rows(self, shard: Shard) -> int:
+        """The rows of a written shard (an agent session may give several, or none)."""
+        path = self.path(shard)
+        if self.suffix == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        return sum(1 for line in path.read_text(encoding="utf-8").split("\n") if line)
+
     def read(self, shard: Shard, columns: list[str]) -> list[dict[str, Any]]:
         """`columns` of a written shard's rows."""
         path = self.path(shard)

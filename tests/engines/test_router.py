@@ -355,5 +355,11 @@ def test_sticky_least_loaded_then_an_engine_killed_mid_session(pair, models):
     [sample] = ray.get(router.actor.take_trajectory.remote("b"), timeout=30)
     assert [t.engine for t in sample.turns if t.role == "assistant"] == [e1, e1, added]
     check_exact([sample], agents["b"].seen)
-    ray.get(router.actor.take_trajectory.remote("c"), timeout=30)
+    # the run's replacement done: the router routes to exactly the run's engines
+    # now, the replaced ones forgotten; c, held by the dead e0, moves on its turn
+    routed = ray.get(router.actor.set_engines.remote([replacement[0]]), timeout=READY_S)
+    assert routed == [added] == [e.name for e in router.stats().engines]
+    asyncio.run(turns("c"))
+    [sample] = ray.get(router.actor.take_trajectory.remote("c"), timeout=30)
+    assert [t.engine for t in sample.turns if t.role == "assistant"] == [e0, e0, added]
     assert router.stats().open_sessions == 0

@@ -60,3 +60,14 @@ def test_an_engine_added_or_back_takes_requests():
     assert [placement.pick(None) for _ in range(3)] == ["e0", "e1", "e0"]
     assert placement.url("e0") == "http://a2"
     assert [e.alive for e in placement.stats().engines] == [True, True]
+
+
+def test_a_removed_engine_gets_nothing_and_its_sessions_move():
+    placement = Placement(ENGINES, "sticky")
+    assert placement.pick("s1") == "e0"
+    placement.begin("e0")  # a request in flight when e0 is removed
+    placement.remove("e0")
+    placement.end("e0")  # its answer comes back after: nothing to count
+    placement.connection_lost("e0", down=True)
+    assert [e.name for e in placement.stats().engines] == ["e1", "e2"]
+    assert placement.pick("s1") == "e1"

@@ -12,11 +12,16 @@ from pathlib import Path
 import pytest
 from gpu_helpers import wait_gpus_released
 
+from engines.trajectory import NOT_SAMPLED
 from tasks.run.shards import read_rows
 
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
+# The tool task's parameters live with the CPU agent test (no test package to import from).
+sys.path.insert(0, str(ROOT / "tests" / "flows"))
+from test_agent_flow import TOOL_TASK  # noqa: E402
+
 ITERATIONS = 2
 
 
@@ -103,4 +108,33 @@ def test_on_policy_flow_syncs_over_nccl(ray_gpu, gpu_model, gpu_count, gpu_basel
     for i in range(iterations):
         rows = read_rows(run_dir / f"iter-{i:03d}")
         assert rows and {row["weight_version"] for row in rows} == {i}
+    wait_gpus_released(gpu_baseline)
+
+
+def test_the_tool_task_learns_colocated_on_one_gpu(ray_gpu, gpu_model, gpu_baseline, tmp_path):
+    """`make run-agent` on one GPU: the tool task's agent through the vLLM
+    engine's OpenAI endpoint and the run's router, the policy colocated
+    (CUDA IPC sync after every step); the reward rises, and iteration i's rows
+    hold the sessions' turns, masks and version i on every sampled token."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in TOOL_TASK.items()]
+    run_flow_cli(
+        ray_gpu, gpu_model, tmp_path, "--colocate", "--num-engines", "1",
+        "--max-tokens", "16", *flags, timeout_s=300,
+    )  # fmt: skip
+
+    (run_dir,) = (tmp_path / "out").iterdir()
+    training = json.loads((run_dir / "summary.json").read_text())["training"]
+    rewards = [step["mean_reward"] for step in training]
+    print(f"tool task colocated on one GPU: rewards {rewards}")
+    assert rewards[-1] - rewards[0] > 0.15, rewards
+    called = 0
+    for i in range(TOOL_TASK["iterations"]):
+        for row in read_rows(run_dir / f"iter-{i:03d}"):
+            called += len(row["turns"]) >= 3
+            for turn in row["turns"]:
+                span = slice(turn["start"], turn["stop"])
+                sampled = turn["role"] == "assistant"
+                assert set(row["loss_mask"][span]) <= {int(sampled)}, (turn, row["loss_mask"])
+                assert set(row["token_versions"][span]) <= {i if sampled else NOT_SAMPLED}
+    assert called, "no session called the tool and answered in one sample"
     wait_gpus_released(gpu_baseline)

@@ -68,6 +68,10 @@ def test_write_then_read_back(tmp_path, output_format):
     for shard in shards[:2]:
         store.write(shard, sample_rows(shard))
     assert [store.is_done(s) for s in shards] == [True, True, False]
+    # counted as written, not n per prompt (an agent's split session writes more)
+    store.write(shards[1], sample_rows(shards[1]) * 3)
+    assert [store.count_rows(s) for s in shards[:2]] == [2, 6]
+    store.write(shards[1], sample_rows(shards[1]))
     rows = read_rows(tmp_path / "iter-000")
     assert [r["prompt_index"] for r in rows] == [0, 1, 2, 3]
     first = rows[0]
