@@ -111,15 +111,20 @@ def test_on_policy_flow_syncs_over_nccl(ray_gpu, gpu_model, gpu_count, gpu_basel
     wait_gpus_released(gpu_baseline)
 
 
-def test_the_tool_task_learns_colocated_on_one_gpu(ray_gpu, gpu_model, gpu_baseline, tmp_path):
+def test_the_tool_task_learns_colocated_on_one_gpu(ray_gpu, gpu_baseline, tmp_path):
     """`make run-agent` on one GPU: the tool task's agent through the vLLM
     engine's OpenAI endpoint and the run's router, the policy colocated
     (CUDA IPC sync after every step); the reward rises, and iteration i's rows
-    hold the sessions' turns, masks and version i on every sampled token."""
+    hold the sessions' turns, masks and version i on every sampled token.
+    The model and lengths are the CPU test's (`make run-agent`'s tiny model):
+    the task and its learning rate are sized for it."""
+    from engines.tiny_model import build_tiny_model
+
+    model = str(build_tiny_model(tmp_path / "tiny"))
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in TOOL_TASK.items()]
     run_flow_cli(
-        ray_gpu, gpu_model, tmp_path, "--colocate", "--num-engines", "1",
-        "--max-tokens", "16", *flags, timeout_s=300,
+        ray_gpu, model, tmp_path, "--colocate", "--num-engines", "1",
+        "--max-len", "128", "--max-tokens", "8", *flags, timeout_s=300,
     )  # fmt: skip
 
     (run_dir,) = (tmp_path / "out").iterdir()
