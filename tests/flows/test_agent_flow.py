@@ -28,7 +28,11 @@ TOOL_TASK = {
 def test_the_tool_task_learns_in_the_flow_and_rows_show_turns_and_masks(
     ray_local, tiny_model, tmp_path
 ):
-    params = run_params(**{**small_run(tiny_model, tmp_path, num_engines=1), **TOOL_TASK})
+    # One shard in flight: each prompt's sessions run in a Ray task, and two
+    # shards' worth of tasks (16) started workers past Ray's idle pool, each
+    # importing the agent's modules again (twice the CPU, measured).
+    run = small_run(tiny_model, tmp_path, num_engines=1, shards_per_engine=1)
+    params = run_params(**{**run, **TOOL_TASK})
     state = rollout(params, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
