@@ -1,13 +1,19 @@
 """Engines serving the OpenAI endpoint, for the endpoint benchmarks
 (agent_replay.py, openai_vs_actor.py): vLLM engines on the GPU (several share
-one GPU when the host has one), or CPU engines with `--backend hf`."""
+one GPU when the host has one), or CPU engines with `--backend hf`; and
+`in_clients`, which drives an endpoint from several client processes."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import multiprocessing
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument(
+        "--clients", type=int, default=8, help="client processes driving the endpoint"
+    )
 
 
 def model_path(args) -> str:
@@ -101,3 +110,66 @@ def serve(args, count: int, *, prefix_caching: bool, name: str) -> Served:
     urls = ray.get([e.openai_url.remote() for e in engines], timeout=READY_TIMEOUT_S)
     print(f"{count} {args.backend} engine(s) serving in {time.monotonic() - start:.0f}s: {urls}")
     return Served(engines=engines, urls=urls, model=model, placement_group=pg)
+
+
+@dataclass
+class ClientsRun:
+    """One workload driven from `clients` processes."""
+
+    clients: int
+    seconds: float  # from the common start until the last client finished
+    results: list[Any]  # each client's, in client order
+    cpu_seconds: float  # the clients' CPU time, summed
+
+
+async def _timed(target, index: int, clients: int, payload, barrier) -> tuple[Any, float]:
+    used: list[float] = []
+
+    async def start() -> None:
+        await asyncio.to_thread(barrier.wait)
+        used.append(time.process_time())
+
+    result = await target(index, clients, payload, start)
+    return result, time.process_time() - used[0]
+
+
+def _client(target, index: int, clients: int, payload, barrier, results) -> None:
+    try:
+        result, cpu = asyncio.run(_timed(target, index, clients, payload, barrier))
+        results.put((index, result, cpu))
+    except BaseException as exc:
+        barrier.abort()  # the driver stops waiting for this client
+        results.put((index, RuntimeError(f"client {index} failed: {exc!r}"), 0.0))
+        raise
+
+
+def in_clients(target: Callable[..., Coroutine], clients: int, payload: Any) -> ClientsRun:
+    """`await target(index, clients, payload, start)` (a module-level coroutine
+    function that takes its share of the work) in `clients` processes at once.
+    A target warms up (its client's first request imports and builds much of
+    `openai`), then awaits `start()`: the clock and the CPU count start once
+    every process is there."""
+    context = multiprocessing.get_context("spawn")  # never fork a Ray driver
+    barrier, results = context.Barrier(clients + 1), context.Queue()
+    processes = [
+        context.Process(target=_client, args=(target, i, clients, payload, barrier, results))
+        for i in range(clients)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        with contextlib.suppress(threading.BrokenBarrierError):  # a client's error follows
+            barrier.wait(timeout=READY_TIMEOUT_S)
+        start = time.monotonic()
+        done = [results.get(timeout=READY_TIMEOUT_S) for _ in processes]
+        seconds = time.monotonic() - start
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    for _, result, _ in done:
+        if isinstance(result, Exception):
+            raise result
+    done.sort(key=lambda d: d[0])
+    return ClientsRun(clients, seconds, [d[1] for d in done], sum(d[2] for d in done))

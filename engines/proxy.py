@@ -84,11 +84,15 @@ class SessionProxy:
         session = self._sessions.setdefault(session_id, _Session())
         async with session.lock:
             forwarded = _asking_ids(body, kind)
-            engine, response = await self._forward(session_id, "POST", _PATHS[kind], forwarded)
+            engine, response, answer = await self._forward(
+                session_id, "POST", _PATHS[kind], forwarded
+            )
             if response.status_code != 200:
                 return response
             try:
-                turn = parse_turn(response.json(), kind, engine, header_versions(response))
+                if not isinstance(answer, dict):
+                    raise TurnParseError(f"engine {engine} answered no JSON object")
+                turn = parse_turn(answer, kind, engine, header_versions(response))
             except (TurnParseError, ValueError) as exc:
                 raise ProxyError(502, f"session {session_id!r}: {exc}") from exc
             reason = None
@@ -107,7 +111,7 @@ class SessionProxy:
         """A request outside any session, to the least-loaded (or next) engine."""
         if isinstance(body, dict) and body.get("stream"):
             raise ProxyError(400, "stream=true is not proxied; send stream=false", "stream")
-        _, response = await self._forward(None, method, path, body)
+        _, response, _ = await self._forward(None, method, path, body)
         return response
 
     async def take(self, session_id: str) -> list[TrajectorySample]:
@@ -130,9 +134,11 @@ class SessionProxy:
 
     async def _forward(
         self, session_id: str | None, method: str, path: str, body: Any
-    ) -> tuple[str, httpx.Response]:
+    ) -> tuple[str, httpx.Response, Any]:
         """Send to the session's engine; on a lost connection, once more: to
-        another live engine when this one is dead (the session moves there)."""
+        another live engine when this one is dead (the session moves there).
+        Returns the engine, its response, and the response's JSON when it is
+        a 200 (else None): parsed once, for the usage and the turn's record."""
         failed: list[str] = []
         break_reason = ""
         for _ in range(2):
@@ -162,9 +168,10 @@ class SessionProxy:
                 raise ProxyError(
                     504, f"engine {engine} did not answer session {session_id!r} in time: {exc!r}"
                 ) from exc
-            self.placement.end(engine, *_prompt_usage(response))
+            answer = _json_of(response)
+            self.placement.end(engine, *_prompt_usage(answer))
             self.latest_version = max([self.latest_version, *header_versions(response)])
-            return engine, response
+            return engine, response, answer
         raise ProxyError(
             503,
             f"session {session_id!r}: no engine served the request; failed: "
@@ -230,14 +237,19 @@ def header_versions(response: httpx.Response) -> list[int]:
     return [int(v) for v in raw.split(",") if v.strip()]
 
 
-def _prompt_usage(response: httpx.Response) -> tuple[int, int]:
-    """(prompt tokens, cached prompt tokens) from a JSON response's usage."""
+def _json_of(response: httpx.Response) -> Any:
+    """A 200's JSON body; None for an error or a body that is not JSON."""
     if response.status_code != 200:
-        return 0, 0
+        return None
     try:
-        usage = response.json().get("usage") or {}
+        return response.json()
     except ValueError:
-        return 0, 0
+        return None
+
+
+def _prompt_usage(answer: Any) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) from a JSON answer's usage."""
+    usage = (answer.get("usage") if isinstance(answer, dict) else None) or {}
     details = usage.get("prompt_tokens_details") or {}
     return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
 

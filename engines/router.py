@@ -22,6 +22,7 @@ import httpx
 import ray
 
 from engines.errors import EngineSpecError
+from engines.http_transport import AiohttpTransport
 from engines.proxy import SessionProxy, build_app
 from engines.routing import ROUTINGS, RouterStats, Routing
 from engines.serving import OpenAIServer
@@ -64,8 +65,8 @@ class RouterActor:
         """Find every engine's endpoint, then serve; returns the router's URL."""
         urls = dict([await self._endpoint(handle, start_timeout_s) for handle in engines])
         self._client = httpx.AsyncClient(
+            transport=AiohttpTransport(max_connections=1024),
             timeout=httpx.Timeout(request_timeout_s, connect=min(10.0, request_timeout_s)),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
 
         async def alive(name: str) -> bool:

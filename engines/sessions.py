@@ -141,6 +141,10 @@ class TrajectoryBuilder:
         if self._open is None:
             return None
         stream = self._open.prompt + self._open.response
+        # The common case in one list comparison: the position-by-position walk
+        # below cost the router milliseconds a turn on a 2k-token conversation.
+        if prompt[: len(stream)] == stream:
+            return None
         for position, token in enumerate(stream):
             if position >= len(prompt):
                 return Mismatch(position, token, None)
