@@ -92,9 +92,10 @@ class Admission:
     async def request(self, hold: bool = True):
         """Wait until admission is open, then hold a place (and a Ticket
         stamped with the version served) until the block ends; with `hold`,
-        the block then waits for the ticket's verdicts (`released`): a
-        caller that sends its outputs itself passes False and waits before
-        each send."""
+        the block then waits for the ticket's verdicts (`released`), when it
+        returns or raises an error (weights that fail their probe may fail
+        the work too: their error is the stale engine's). A caller that
+        sends its outputs itself passes False and waits before each send."""
         while not self._open.is_set():
             await self._open.wait()
         ticket = Ticket([self._version()])
@@ -104,12 +105,22 @@ class Admission:
         self._idle.clear()
         try:
             yield ticket
-        finally:
-            self._tickets.discard(ticket)
-            if not self._tickets:
-                self._idle.set()
+        except Exception:
+            self._leave(ticket)
+            if hold:
+                await released(ticket)
+            raise
+        except BaseException:  # cancelled: nobody waits for an answer
+            self._leave(ticket)
+            raise
+        self._leave(ticket)
         if hold:  # its work is done (a later sync need not wait for it): now its verdict
             await released(ticket)
+
+    def _leave(self, ticket: Ticket) -> None:
+        self._tickets.discard(ticket)
+        if not self._tickets:
+            self._idle.set()
 
     def hold(self) -> None:
         """Hold the outputs of every call inside, and of every call admitted

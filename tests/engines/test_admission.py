@@ -183,3 +183,29 @@ def test_a_failed_verdict_fails_every_held_call():
     events, outcomes, error = asyncio.run(scenario())
     assert outcomes == [error, error]
     assert not any(e.endswith("released") for e in events)
+
+
+def test_an_error_on_weights_that_fail_their_probe_is_the_verdicts():
+    """Corrupted weights may fail the work itself (NaN logits): the call
+    raises the verdict's error, not its own; after a passing verdict, its own."""
+
+    async def failing(gate: Admission, started: asyncio.Event, go: asyncio.Event):
+        async with gate.request():
+            started.set()
+            await go.wait()
+            raise ValueError("probability tensor contains nan")
+
+    async def scenario(verdict: BaseException | None):
+        gate, started, go = Backend().admission(), asyncio.Event(), asyncio.Event()
+        gate.hold()
+        call = asyncio.create_task(failing(gate, started, go))
+        await started.wait()
+        go.set()
+        await asyncio.sleep(0)
+        assert not call.done()  # its error waits for the verdict too
+        gate.settle(verdict)
+        return (await asyncio.gather(call, return_exceptions=True))[0]
+
+    stale = RuntimeError("engine e0: its probe failed")
+    assert asyncio.run(scenario(stale)) is stale
+    assert isinstance(asyncio.run(scenario(None)), ValueError)
