@@ -208,12 +208,17 @@ def report(rounds: list[Round], what: str) -> list[str]:
     released_off, released_on = ms(r.released_s for r in off), ms(r.released_s for r in on)
     sync_off, sync_on = ms(r.sync_s for r in off), ms(r.sync_s for r in on)
     added = released_on - released_off
+    # Each pair of neighbours holds one round of each (ORDER): their
+    # difference is taken under the same load, which drifts on a shared box.
+    pairs = [timed[i : i + 2] for i in range(0, len(timed) - 1, 2)]
+    paired = ms(sum(r.released_s if r.probe else -r.released_s for r in p) for p in pairs)
     fresh = sum(r.on_new_weights for r in timed)
     return [
         f"== the probe's cost, {what}; medians of {len(off)} rounds off, {len(on)} on ==",
         f"first batch's results released: probe off {released_off:.2f} ms, on "
         f"{released_on:.2f} ms: the probe adds {added:+.2f} ms = {added / sync_off:+.1%} "
-        f"of the sync ({sync_off:.2f} ms, probe off; target <= +5%)",
+        f"of the sync ({sync_off:.2f} ms, probe off; target <= +5%); median of the "
+        f"{len(pairs)} neighbouring pairs' differences {paired:+.2f} ms",
         f"the sync call (returns with the verdict): off {sync_off:.2f} ms, on {sync_on:.2f} ms "
         f"({sync_on - sync_off:+.2f} ms); the probe in the engine "
         f"{ms(r.probe_s for r in on):.2f} ms",
