@@ -58,7 +58,7 @@ async def released(ticket: Ticket) -> None:
         # Shielded: a call cancelled while it waits leaves the verdict to the others.
         error = await asyncio.shield(verdict)
         if error is not None:
-            raise error
+            raise error.with_traceback(None)  # one error for every held call: no shared traceback
 
 
 class Admission:

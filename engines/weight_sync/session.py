@@ -6,7 +6,8 @@ one open sync's state and watchdog are `open_sync.OpenSync`).
 A sync is a session: `begin_weight_sync` (check the manifest, then pause
 generation and optionally back the weights up) -> one or more receives (the
 transports' engine methods, run through `receive`) -> `finish_weight_sync`
-(verify checksums, reset the prefix cache, stamp the new version, resume) or
+(verify checksums, reset the prefix cache, stamp the new version, resume,
+then the probe beside the first work let in: `probe.ProbeRuns`) or
 `abort_weight_sync` (restore the backup, or mark the engine stale; then
 resume, so requests get a clear error instead of a hang). Nothing is served
 between begin and finish, so no request sees a mix of versions. If the
