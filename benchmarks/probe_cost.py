@@ -92,7 +92,11 @@ def timed_round(
         else:
             failed = ""
         released = time.perf_counter() - started
-        report = syncing.result(timeout=TIMEOUT_S)
+        try:
+            report = syncing.result(timeout=TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a failed probe: shown, and the next sync repairs
+            seconds = time.perf_counter() - started
+            return Round(probe, released, seconds, 0.0, f"sync failed: {exc!r}"[:300], False)
     result = report.probe
     verdict = failed or (result.status if result is not None else "none")
     fresh = bool(outputs) and all(version in o.weight_versions for o in outputs)
