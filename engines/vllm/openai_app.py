@@ -9,7 +9,10 @@ What this module adds around vLLM's app:
   `generate` enters the engine's admission (`engines.admission`) as a Ray
   `generate` call does. So an HTTP request waits at the door while the engine
   is paused, is frozen, let finish or aborted by the pause modes, and holds a
-  ticket that collects every weight version it ran under.
+  ticket that collects every weight version it ran under. After a sync with
+  a probe, `TokenVersions` holds each send of the HTTP request until the
+  probe's verdict on the weights it ran on; a failed one sends a 503 (or
+  ends a stream under way with vLLM's error event), nothing computed on them.
 - Weight versions: `TokenVersions`, an ASGI middleware, hands each HTTP
   request's versions to `engines.serving` (which writes `X-Weight-Versions`
   and the body's `weight_versions`) and, in a non-streaming JSON body, gives
