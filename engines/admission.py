@@ -20,6 +20,14 @@ taken effect (and aborts, in mode "abort").
 Each admitted call holds a `Ticket` whose `versions` are the weight versions
 served while it was inside: `open()` appends the version then served to every
 ticket still inside, so an output frozen across a sync says so.
+
+Outputs held for a verdict: a sync with a probe (`weight_sync.probe`) commits
+and lets work in at once, the probe riding along, but what is computed on
+the new weights must not leave before the probe's verdict. `hold()` (before
+the door opens) ties every ticket inside, and every one admitted until
+`settle()`, to that verdict; `released(ticket)` waits for it and raises the
+verdict's error. A call's `request()` block ends there: its outputs are
+released, or it raises.
 """
 
 from __future__ import annotations
@@ -35,9 +43,22 @@ PAUSE_MODES = ("keep", "wait", "abort")
 @dataclass(eq=False)  # one per call, by identity
 class Ticket:
     versions: list[int] = field(default_factory=list)
+    #: The probes' verdicts its outputs wait for: each resolves to None
+    #: (passed) or to the error the call raises instead of answering.
+    verdicts: list[asyncio.Future] = field(default_factory=list)
 
 
 Step = Callable[[], Awaitable[None]]
+
+
+async def released(ticket: Ticket) -> None:
+    """Return once `ticket`'s outputs may leave; raise the error of a
+    verdict against them."""
+    for verdict in ticket.verdicts:
+        # Shielded: a call cancelled while it waits leaves the verdict to the others.
+        error = await asyncio.shield(verdict)
+        if error is not None:
+            raise error.with_traceback(None)  # one error for every held call: no shared traceback
 
 
 class Admission:
@@ -56,6 +77,7 @@ class Admission:
         self._closes = 0
         self._frozen = False
         self._quiet: Awaitable[None] | None = None  # the first close, while it runs
+        self._verdict: asyncio.Future | None = None  # while a probe runs
 
     @property
     def closed(self) -> bool:
@@ -67,20 +89,53 @@ class Admission:
         return self._frozen
 
     @asynccontextmanager
-    async def request(self):
+    async def request(self, hold: bool = True):
         """Wait until admission is open, then hold a place (and a Ticket
-        stamped with the version served) until the block ends."""
+        stamped with the version served) until the block ends; with `hold`,
+        the block then waits for the ticket's verdicts (`released`), when it
+        returns or raises an error (weights that fail their probe may fail
+        the work too: their error is the stale engine's). A caller that
+        sends its outputs itself passes False and waits before each send."""
         while not self._open.is_set():
             await self._open.wait()
         ticket = Ticket([self._version()])
+        if self._verdict is not None:
+            ticket.verdicts.append(self._verdict)
         self._tickets.add(ticket)
         self._idle.clear()
         try:
             yield ticket
-        finally:
-            self._tickets.discard(ticket)
-            if not self._tickets:
-                self._idle.set()
+        except Exception:
+            self._leave(ticket)
+            if hold:
+                await released(ticket)
+            raise
+        except BaseException:  # cancelled: nobody waits for an answer
+            self._leave(ticket)
+            raise
+        self._leave(ticket)
+        if hold:  # its work is done (a later sync need not wait for it): now its verdict
+            await released(ticket)
+
+    def _leave(self, ticket: Ticket) -> None:
+        self._tickets.discard(ticket)
+        if not self._tickets:
+            self._idle.set()
+
+    def hold(self) -> None:
+        """Hold the outputs of every call inside, and of every call admitted
+        from now, until `settle`."""
+        verdict = asyncio.get_running_loop().create_future()
+        for ticket in self._tickets:
+            ticket.verdicts.append(verdict)
+        self._verdict = verdict
+
+    def settle(self, error: BaseException | None) -> None:
+        """The verdict on the outputs held: released (None), or each of their
+        calls raises `error`."""
+        verdict, self._verdict = self._verdict, None
+        if verdict is not None:
+            verdict.set_result(error)
 
     async def close(self, mode: str = "keep") -> None:
         if mode not in PAUSE_MODES:

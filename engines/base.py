@@ -308,8 +308,18 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
     @abc.abstractmethod
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         """Logprobs of `token_ids[1:]` on the weights loaded, run past the
-        closed door (a sync's probe, before requests are let in again);
+        door (a sync's probe, alongside the first requests let in after it);
         None when the backend cannot run a request now."""
+
+    def hold_outputs(self) -> None:
+        """Hold every output computed from now (and by the requests inside)
+        until `release_outputs`: a sync's probe has yet to pass the weights."""
+        self._admission.hold()
+
+    def release_outputs(self, error: BaseException | None) -> None:
+        """The probe's verdict: the held outputs go out, or (`error`, the
+        engine marked stale first) each of their calls raises it."""
+        self._admission.settle(error)
 
     @abc.abstractmethod
     async def _freeze(self) -> None:

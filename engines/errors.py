@@ -41,3 +41,9 @@ class EngineDeadError(EngineFailure):
 
 class EngineTimeoutError(EngineFailure):
     """The engine did not answer within the deadline (hung or overloaded)."""
+
+
+class EngineStaleError(EngineFailure):
+    """The engine's new weights failed the probe after a sync (the engine is
+    marked stale): a request computed on them was not answered. Resync or
+    replace the engine and send it again."""

@@ -64,7 +64,7 @@ class ServingMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if not self._authorized(scope):
-            return await _send_json(
+            return await send_json(
                 send,
                 HTTPStatus.UNAUTHORIZED,
                 error_body(
@@ -128,7 +128,7 @@ def _with_versions(content: bytes, versions: list[int]) -> bytes:
     return json.dumps(data).encode()
 
 
-async def _send_json(send, status: int, data: Any) -> None:
+async def send_json(send, status: int, data: Any) -> None:
     content = json.dumps(data).encode()
     await send(
         {

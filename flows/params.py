@@ -182,8 +182,10 @@ class TrainingParams(BaseModel):
     weight_sync_probe: bool = Field(
         True,
         description="After each weight sync, every engine compares its logprobs of a fixed "
-        "16-token prompt with the policy's before it serves the new weights; a mismatch "
-        "marks it stale. Costs one short forward pass per engine and one on the policy.",
+        "16-token prompt with the policy's before it releases anything computed on the new "
+        "weights (the probe rides with its first batch); a mismatch marks it stale and its "
+        "held requests are requeued. Costs one short forward pass per engine and one on the "
+        "policy.",
     )
     iterations: int = Field(
         1,

@@ -62,7 +62,8 @@ class PolicyConfig(BaseModel):
     probe: bool = Field(
         True,
         description="After each sync, every engine compares its logprobs of a fixed short "
-        "prompt with the policy's before it serves the new weights (docs/weight_sync.md).",
+        "prompt with the policy's before it releases anything computed on the new weights "
+        "(docs/weight_sync.md).",
     )
     checkpoint_dir: str | None = Field(
         None, description="Where the checkpoint transport writes (shared with the engines)."

@@ -210,10 +210,13 @@ class HFEngine(RolloutEngine):
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         def run() -> list[float]:
-            with self._model_lock:  # the generation thread waits
+            with self._model_lock:
                 return sequence_logprobs(self.worker.model, token_ids)
 
-        return await asyncio.wait_for(asyncio.to_thread(run), self.config.rpc_timeout_s)
+        # On the generation thread, ahead of its next step: one forward pass
+        # between two of the first batch's steps, not after the whole batch.
+        job = asyncio.wrap_future(self._loop.run_between_steps(run))
+        return await asyncio.wait_for(job, self.config.rpc_timeout_s)
 
     async def _freeze(self) -> None:
         await asyncio.to_thread(self._loop.freeze)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from engines.errors import EngineDeadError
@@ -42,6 +43,8 @@ class GenerationLoop:
         # batch running, and the pause flags it obeys between two steps.
         self._cond = threading.Condition()
         self._pending: list[Request] = []
+        # Work run on this thread ahead of the next step (a sync's probe).
+        self._jobs: list[tuple[Callable[[], Any], Future]] = []
         self.running = 0  # requests in the batch running
         self.running_seqs = 0  # their sequences (n each)
         self._stepping = False  # the thread is inside a step (a forward pass and sampling)
@@ -60,6 +63,18 @@ class GenerationLoop:
                 raise self.dead_error()
             self._pending.extend(requests)
             self._cond.notify_all()
+
+    def run_between_steps(self, job: Callable[[], Any]) -> Future:
+        """Run `job` on the generation thread before its next step (at once
+        when idle, frozen or not): a sync's probe goes ahead of the batch's
+        next step instead of waiting for the batch to end."""
+        future: Future = Future()
+        with self._cond:
+            if self._ended:
+                raise self.dead_error()
+            self._jobs.append((job, future))
+            self._cond.notify_all()
+        return future
 
     def unfinished(self) -> int:
         with self._cond:
@@ -113,10 +128,17 @@ class GenerationLoop:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and (not self._pending or self._frozen):
+                    while (
+                        not self._stopping
+                        and not self._jobs
+                        and (not self._pending or self._frozen)
+                    ):
                         self._cond.wait()
                     if self._stopping:
                         return
+                    if self._jobs:
+                        self._run_jobs()
+                        continue
                     batch = self._take_batch()
                     self.running = len(batch)
                     self.running_seqs = sum(request.params.n for request in batch)
@@ -158,16 +180,35 @@ class GenerationLoop:
         with self._cond:
             self._ended = True
             queued, self._pending = self._pending, []
+            jobs, self._jobs = self._jobs, []
         for request in queued:
             request.loop.call_soon_threadsafe(_resolve, request.future, None, self.dead_error())
+        for _, future in jobs:
+            future.set_exception(self.dead_error())
+
+    def _run_jobs(self) -> None:
+        """Run the jobs queued (called under `_cond`, released while they run)."""
+        jobs, self._jobs = self._jobs, []
+        self._cond.release()
+        try:
+            for job, future in jobs:
+                try:
+                    future.set_result(job())
+                except Exception as exc:  # noqa: BLE001 - the job's caller gets it
+                    future.set_exception(exc)
+        finally:
+            self._cond.acquire()
 
     def _next_step(self) -> bool:
         """Between two steps: park while frozen; False when the batch is aborted."""
         with self._cond:
             self._stepping = False
             self._cond.notify_all()
-            while self._frozen and not (self._stopping or self._aborting):
-                self._cond.wait()
+            while self._jobs or (self._frozen and not (self._stopping or self._aborting)):
+                if self._jobs:
+                    self._run_jobs()
+                else:
+                    self._cond.wait()
             self._stepping = True
             return not (self._stopping or self._aborting)
 

@@ -327,9 +327,10 @@ class VLLMEngine(RolloutEngine):
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         if self._admission.frozen or self._asleep:
-            # vLLM schedules no new request while its requests are frozen
-            # ("keep"): the probe would wait for the resume it precedes. An
-            # engine still asleep (a sync that did not wake it) has no KV cache.
+            # Frozen after the sync's resume: a caller's own pause around the
+            # sync keeps vLLM from scheduling any request ("keep") until the
+            # caller resumes, after the sync returns. An engine still asleep
+            # (a sync that did not wake it) has no KV cache.
             return None
         api = vllm_api()
         params = api.vllm.SamplingParams(

@@ -9,7 +9,10 @@ What this module adds around vLLM's app:
   `generate` enters the engine's admission (`engines.admission`) as a Ray
   `generate` call does. So an HTTP request waits at the door while the engine
   is paused, is frozen, let finish or aborted by the pause modes, and holds a
-  ticket that collects every weight version it ran under.
+  ticket that collects every weight version it ran under. After a sync with
+  a probe, `TokenVersions` holds each send of the HTTP request until the
+  probe's verdict on the weights it ran on; a failed one sends a 503 (or
+  ends a stream under way with vLLM's error event), nothing computed on them.
 - Weight versions: `TokenVersions`, an ASGI middleware, hands each HTTP
   request's versions to `engines.serving` (which writes `X-Weight-Versions`
   and the body's `weight_versions`) and, in a non-streaming JSON body, gives
@@ -27,11 +30,12 @@ import json
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from engines.admission import Admission, Ticket
-from engines.errors import EngineSpecError
-from engines.serving import record_versions
+from engines.admission import Admission, Ticket, released
+from engines.errors import EngineSpecError, EngineStaleError
+from engines.serving import error_body, record_versions, send_json
 
 if TYPE_CHECKING:
     from engines.vllm.engine import VLLMEngine
@@ -76,6 +80,13 @@ class HttpRequest:
         seen = {v for g in self.generations if g.ticket for v in g.ticket.versions}
         return sorted(seen)
 
+    async def released(self) -> None:
+        """Return once what its generations computed may be sent (a probe's
+        verdict on the weights they ran on); raise `EngineStaleError` if not."""
+        for generation in self.generations:
+            if generation.ticket is not None:
+                await released(generation.ticket)
+
     def token_versions(self) -> list[list[int] | None]:
         """Per choice, in vLLM's numbering (generation order, then completion index)."""
         return [g.token_versions(index) for g in self.generations for index in sorted(g.lengths)]
@@ -111,7 +122,8 @@ class AdmittedClient:
     async def _admitted(
         self, generation: Generation, prompt: Any, params: Any, request_id: str, kwargs: dict
     ) -> AsyncGenerator[Any, None]:
-        async with self._admission.request() as ticket:
+        # Not held here: `TokenVersions` holds each of the HTTP request's sends.
+        async with self._admission.request(hold=False) as ticket:
             self._check()  # refused as a Ray call is (HTTP 400)
             generation.ticket = ticket
             self._live.add(generation)
@@ -162,11 +174,20 @@ class TokenVersions:
         request = HttpRequest()
         token = _CURRENT.set(request)
         start: dict | None = None
+        refused = False
 
         async def reply(message: dict) -> None:
-            nonlocal start
+            nonlocal start, refused
             if message["type"] == "http.response.start":
                 start = message  # held until the body shows whether it streams
+                return
+            if refused:
+                return
+            try:
+                await request.released()
+            except EngineStaleError as exc:
+                refused = True
+                await _refuse(send, start, exc)
                 return
             if start is not None and message["type"] == "http.response.body":
                 head, start = start, None
@@ -182,6 +203,18 @@ class TokenVersions:
             await self.app(scope, receive, reply)
         finally:
             _CURRENT.reset(token)
+
+
+async def _refuse(send: Any, start: dict | None, error: EngineStaleError) -> None:
+    """Instead of what was computed on weights that failed their probe: a 503
+    (the engine is stale; another engine may serve the request), or, for a
+    stream already under way, vLLM's error event and the stream's end."""
+    body = error_body(str(error), HTTPStatus.SERVICE_UNAVAILABLE)
+    if start is not None:  # nothing sent yet
+        await send_json(send, HTTPStatus.SERVICE_UNAVAILABLE, body)
+        return
+    events = f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    await send({"type": "http.response.body", "body": events})
 
 
 def _is_json(start: dict) -> bool:

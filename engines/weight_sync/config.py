@@ -82,9 +82,10 @@ class SyncConfig:
     - `timeout_s`: deadline of every collective and of every call into an engine.
     - `verify`: compare checksums of the engines' weights with the trainer's
       before the new version is served.
-    - `probe`: before serving the new weights, each engine compares its
-      logprobs of a fixed short prompt with the trainer's (`probe.py`), when
-      the trainer gives them; a mismatch aborts the sync on that engine.
+    - `probe`: before releasing anything computed on the new weights, each
+      engine compares its logprobs of a fixed short prompt with the
+      trainer's (`probe.py`), when the trainer gives them; a mismatch marks
+      that engine stale and fails the requests it held.
     - `on_failure`: `"restore"` keeps a host copy of each engine's weights during
       the sync and puts it back if the sync fails (the engine keeps serving the
       old version; costs host memory of one model per engine); `"stale"` marks

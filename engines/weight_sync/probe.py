@@ -1,13 +1,17 @@
-"""The probe after every sync: before an engine serves the new weights, it
-computes the logprobs of a fixed short prompt (prompt logprobs of fixed
-token ids: deterministic, no sampling) and compares them with the trainer's,
-computed on the weights it sent. A mismatch beyond the tolerance aborts the
-sync on that engine (stale, or restored), naming both values.
+"""The probe after every sync: before an engine releases anything computed
+on the new weights, it computes the logprobs of a fixed short prompt (prompt
+logprobs of fixed token ids: deterministic, no sampling) and compares them
+with the trainer's, computed on the weights it sent. A mismatch beyond the
+tolerance marks that engine stale, naming both values.
 
 Trainer: `reference(model, ...)` -> `ProbeReference`, passed to the sender's
 `sync(..., probe=...)`, which hands it to each engine's commit
-(`finish_weight_sync(probe=...)`). Engine: `check` inside that commit, through
-the host's `probe_logprobs`. The sync's `SyncReport.probe` says what happened.
+(`finish_weight_sync(probe=...)`). Engine: the commit serves the new weights
+at once and `ProbeRuns` runs `check` (the host's `probe_logprobs`) beside the
+first requests let in, whose outputs wait for its verdict. The commit's call
+returns with the verdict, so the sync's `SyncReport.probe` is final and a
+mismatch raises from the sync that caused it: the trainer never reads
+"passed" before it is so, and the engine's first work does not wait for it.
 A trainer that gives no reference (OpenRLHF's or vLLM's own calls, a
 hand-driven session) is not probed: the report and the engine's log say
 "skipped" (an engine cannot tell right weights from wrong ones on its own).
@@ -15,12 +19,17 @@ hand-driven session) is not probed: the report and the engine's log say
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engines.errors import EngineStaleError
 from engines.weight_sync.errors import ProbeMismatchError
+
+logger = logging.getLogger(__name__)
 
 #: Tokens in the probe prompt: 15 logprobs, one short forward pass.
 PROBE_LENGTH = 16
@@ -158,3 +167,55 @@ def combined(results: list[ProbeResult]) -> ProbeResult:
         mean_diff=max(r.mean_diff or 0.0 for r in results),
         max_diff=max(r.max_diff or 0.0 for r in results),
     )
+
+
+class ProbeRuns:
+    """The probe of each commit on one engine, riding with its first work:
+    the engine commits and lets requests in at once, the probe among them,
+    but holds what they compute (`hold_outputs`, before the door opens)
+    until the verdict (`release_outputs`). A mismatch marks the engine stale
+    first, back at the version it served before (a failed sync never moves
+    it on): the held calls fail with `EngineStaleError`, which callers treat
+    as an engine failure (requeue the work elsewhere), and nothing computed
+    on those weights is served."""
+
+    def __init__(self, host: Any, name: str):
+        self.host, self.name = host, name
+        self._last: asyncio.Task | None = None
+
+    def start(self, probe: ProbeReference, version: int, previous: int) -> asyncio.Task:
+        """Run the probe of `version`, just committed over `previous`, with
+        the door open: started as it opens, it enters the engine with the
+        first calls let in and shares their batch."""
+        self._last = asyncio.ensure_future(self._judge(probe, version, previous))
+        return self._last
+
+    async def settled(self) -> None:
+        """Wait for the last probe (its error is its own commit's): the next
+        sync must not replace the weights it reads."""
+        if self._last is not None:
+            await asyncio.wait([self._last])
+
+    async def _judge(self, probe: ProbeReference, version: int, previous: int) -> ProbeResult:
+        host = self.host
+        try:
+            result = await check(host, probe, f"engine {self.name}, version {version}")
+        except BaseException as exc:
+            # Before anything else runs: no call is let in on these weights.
+            host.stale, host.weight_version = True, previous
+            host.release_outputs(
+                EngineStaleError(
+                    f"engine {self.name}: nothing computed on weight version {version} is "
+                    f"served, its probe failed: {exc}",
+                    engine=self.name,
+                )
+            )
+            logger.error(
+                "engine %s: weight version %d failed its probe (%s) - STALE, resync needed",
+                self.name,
+                version,
+                exc,
+            )
+            raise
+        host.release_outputs(None)
+        return result

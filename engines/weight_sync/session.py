@@ -6,7 +6,8 @@ one open sync's state and watchdog are `open_sync.OpenSync`).
 A sync is a session: `begin_weight_sync` (check the manifest, then pause
 generation and optionally back the weights up) -> one or more receives (the
 transports' engine methods, run through `receive`) -> `finish_weight_sync`
-(verify checksums, reset the prefix cache, stamp the new version, resume) or
+(verify checksums, reset the prefix cache, stamp the new version, resume,
+then the probe beside the first work let in: `probe.ProbeRuns`) or
 `abort_weight_sync` (restore the backup, or mark the engine stale; then
 resume, so requests get a clear error instead of a hang). Nothing is served
 between begin and finish, so no request sees a mix of versions. If the
@@ -34,7 +35,7 @@ from engines.weight_sync.errors import (
 )
 from engines.weight_sync.manifest import raise_problems
 from engines.weight_sync.open_sync import OpenSync
-from engines.weight_sync.probe import ProbeReference, ProbeResult, check
+from engines.weight_sync.probe import ProbeReference, ProbeResult, ProbeRuns
 from engines.weight_sync.protocol import (
     Aborted,
     Begun,
@@ -66,6 +67,7 @@ class WeightSync(EngineWeights):
         super().__init__(host)
         self.open: OpenSync | None = None
         self._lock = asyncio.Lock()
+        self.probes = ProbeRuns(host, self.name)
         # The receives `begin_and_receive` may run, by name.
         self._one_call = {m: t.engine_methods[m] for t in transports() for m in t.one_call}
 
@@ -110,6 +112,7 @@ class WeightSync(EngineWeights):
             raise WeightSyncError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
         if manifest is not None:
             await self.check_weight_manifest(manifest, allow_partial)
+        await self.probes.settled()  # the last commit's probe reads the weights replaced
         # Checked and claimed with no await in between: one sync at a time.
         if self.open is not None:
             raise WeightSyncError(
@@ -274,35 +277,38 @@ class WeightSync(EngineWeights):
         probe: ProbeReference | None = None,
     ) -> Committed:
         """Verify (when `checksums` are given), wake the `wake` tags (e.g.
-        ["kv_cache"] after a sync into a sleeping engine), run the `probe`
-        (the trainer's logprobs of a fixed prompt, `probe.py`) before any
-        request is let in, reset the prefix cache, serve `version`, resume. A
-        checksum or probe mismatch, or a failure to wake, aborts the sync
-        and raises."""
+        ["kv_cache"] after a sync into a sleeping engine), reset the prefix
+        cache, serve `version`, resume; the `probe` (`probe.ProbeRuns`) rides
+        with the first work let in, and this returns with its verdict. A
+        checksum mismatch or a failure to wake aborts the sync and raises."""
         host = self.host
         if checksums:
             await self.verify_weight_sync(version, checksums)
         session = self.session(version)
+        verdict = None
         async with session.call(), self._lock:
             try:
                 if session.worker_state:
                     await self.rpc("end_weight_sync", False)
                 if wake:
                     await host.wake_up(wake)
-                probed = ProbeResult("skipped", note="no reference from the trainer")
-                if probe is not None:
-                    what = f"engine {self.name}, version {version}"
-                    probed = await check(host, probe, what)
             except BaseException as exc:
                 await self._abort(session, f"finishing failed: {exc}", locked=True)
                 raise
             session.stop_watchdog()
             self.open = None
             await host.reset_prefix_cache()
-            host.weight_version = version
+            previous, host.weight_version = host.weight_version, version
             host.stale = False
+            if probe is not None:
+                host.hold_outputs()  # before the door opens: frozen requests are held too
             await host.resume_generation()
+            if probe is not None:
+                verdict = self.probes.start(probe, version, previous)
         logger.info("engine %s: now serving weight version %d", self.name, version)
+        probed = ProbeResult("skipped", note="no reference from the trainer")
+        if verdict is not None:
+            probed = await asyncio.shield(verdict)
         return Committed(self.name, version, session.nbytes, bool(checksums), probed)
 
     async def abort_weight_sync(self, reason: str = "aborted by the caller") -> Aborted:

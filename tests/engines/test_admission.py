@@ -124,3 +124,88 @@ def test_abort_mode_ends_requests_and_a_bad_mode_changes_nothing():
         return backend.calls
 
     assert asyncio.run(scenario()) == ["abort"]
+
+
+async def computed(gate: Admission, events: list, name: str, done: asyncio.Event):
+    """A call whose work ends when `done` is set; "computed" is logged then,
+    "released" once the call returns."""
+    async with gate.request():
+        events.append(f"{name} in")
+        await done.wait()
+        events.append(f"{name} computed")
+    events.append(f"{name} released")
+
+
+def test_a_verdict_holds_the_calls_inside_and_those_let_in_until_it_passes():
+    async def scenario():
+        gate, events = Backend().admission(), []
+        frozen_done, late_done, after_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        frozen = asyncio.create_task(computed(gate, events, "frozen", frozen_done))
+        await until(lambda: "frozen in" in events)
+        await gate.close("keep")
+        gate.hold()  # a sync committed: its probe's verdict is pending
+        await gate.open()
+        late = asyncio.create_task(computed(gate, events, "late", late_done))
+        await until(lambda: "late in" in events)
+        frozen_done.set()
+        late_done.set()
+        await until(lambda: "frozen computed" in events and "late computed" in events)
+        assert not frozen.done() and not late.done()
+        assert not any(e.endswith("released") for e in events)
+        gate.settle(None)
+        await asyncio.gather(frozen, late)
+        # The next call, after the verdict, is not held.
+        after = asyncio.create_task(computed(gate, events, "after", after_done))
+        after_done.set()
+        await after
+        return events
+
+    events = asyncio.run(scenario())
+    assert events[-3:] == ["after in", "after computed", "after released"]
+    assert {"frozen released", "late released"} <= set(events)
+
+
+def test_a_failed_verdict_fails_every_held_call():
+    async def scenario():
+        gate, events, done = Backend().admission(), [], asyncio.Event()
+        await gate.close("keep")
+        gate.hold()
+        await gate.open()
+        calls = [asyncio.create_task(computed(gate, events, n, done)) for n in ("a", "b")]
+        await until(lambda: events.count("a in") + events.count("b in") == 2)
+        done.set()
+        await until(lambda: len(events) == 4)  # both computed, neither released
+        error = RuntimeError("engine e0: its probe failed")
+        gate.settle(error)
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        return events, outcomes, error
+
+    events, outcomes, error = asyncio.run(scenario())
+    assert outcomes == [error, error]
+    assert not any(e.endswith("released") for e in events)
+
+
+def test_an_error_on_weights_that_fail_their_probe_is_the_verdicts():
+    """Corrupted weights may fail the work itself (NaN logits): the call
+    raises the verdict's error, not its own; after a passing verdict, its own."""
+
+    async def failing(gate: Admission, started: asyncio.Event, go: asyncio.Event):
+        async with gate.request():
+            started.set()
+            await go.wait()
+            raise ValueError("probability tensor contains nan")
+
+    async def scenario(verdict: BaseException | None):
+        gate, started, go = Backend().admission(), asyncio.Event(), asyncio.Event()
+        gate.hold()
+        call = asyncio.create_task(failing(gate, started, go))
+        await started.wait()
+        go.set()
+        await asyncio.sleep(0)
+        assert not call.done()  # its error waits for the verdict too
+        gate.settle(verdict)
+        return (await asyncio.gather(call, return_exceptions=True))[0]
+
+    stale = RuntimeError("engine e0: its probe failed")
+    assert asyncio.run(scenario(stale)) is stale
+    assert isinstance(asyncio.run(scenario(None)), ValueError)

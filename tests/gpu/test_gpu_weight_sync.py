@@ -48,7 +48,8 @@ def sync_and_check(ray, engine, policy, before, seed: int, scale: float = 0.02) 
     print(f"sync v{version}: {report}")
     assert report.version == version and not report.skipped
     assert report.verified == (report.transport == "broadcast")
-    # The probe ran on vLLM (a prompt-logprobs request) before the engine served.
+    # The probe ran on vLLM (a prompt-logprobs request) before anything computed on
+    # the new weights was released; the sync returned with its verdict.
     assert report.probe.status == "passed", report.probe
     health = ray.get(engine.health.remote(), timeout=TIMEOUT_S)
     assert health["weight_version"] == version and not health["stale"]

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from engines.admission import Admission
-from engines.errors import EngineSleepingError
+from engines.errors import EngineSleepingError, EngineStaleError
 from engines.serving import ServingMiddleware
 from engines.vllm.openai_app import AdmittedClient, TokenVersions
 
@@ -269,3 +269,60 @@ def test_the_engine_counts_each_requests_tokens_before_vllm_steps_again():
     engine._http = SimpleNamespace(mark_versions=lambda: order.append("tokens counted"))
     asyncio.run(engine._thaw())
     assert order == ["tokens counted", "vLLM resumes"]
+
+
+async def probed_sync(engine: Engine, version: int) -> None:
+    """A sync with the probe: committed and resumed, its verdict pending
+    (`engine.admission.settle` gives it)."""
+    await engine.admission.close("keep")
+    engine.version = version
+    engine.admission.hold()
+    await engine.admission.open()
+
+
+def test_a_probe_holds_http_responses_until_it_passes():
+    async def main():
+        llm = StandInLLM()
+        engine = Engine(llm)
+        async with http(engine) as client:
+            chat = asyncio.ensure_future(
+                client.post("/chat", json={"id": "c", "max_tokens": 2}, timeout=TIMEOUT_S)
+            )
+            await until(lambda: "c" in llm.tokens, "the request in")
+            await llm.step("c")
+            await probed_sync(engine, 1)
+            await llm.step("c")  # finished on the new weights, its verdict pending
+            for _ in range(50):
+                await asyncio.sleep(0)
+            assert not chat.done()
+            engine.admission.settle(None)
+            response = await chat
+        assert response.status_code == 200 and response.json()["weight_versions"] == [0, 1]
+
+    asyncio.run(main())
+
+
+def test_a_failed_probe_sends_nothing_computed_on_its_weights():
+    async def main():
+        llm = StandInLLM()
+        engine = Engine(llm)
+        async with http(engine) as client:
+            requests = [
+                asyncio.ensure_future(
+                    client.post(f"/{route}", json={"id": route, "max_tokens": 1}, timeout=TIMEOUT_S)
+                )
+                for route in ("chat", "stream")
+            ]
+            await until(lambda: {"chat", "stream"} <= set(llm.tokens), "both requests in")
+            await probed_sync(engine, 1)
+            await llm.step("chat")
+            await llm.step("stream")
+            engine.admission.settle(EngineStaleError("engine e0: its probe failed", "e0"))
+            return await asyncio.gather(*requests)
+
+    chat, stream = asyncio.run(main())
+    assert chat.status_code == 503 and "its probe failed" in chat.json()["error"]["message"]
+    # The stream had begun before the generation (nothing computed then): it
+    # ends with vLLM's error event instead of its token count.
+    assert stream.text.startswith('data: start\n\ndata: {"error"')
+    assert "its probe failed" in stream.text and "data: 1" not in stream.text

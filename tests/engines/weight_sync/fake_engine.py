@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from engines.admission import Admission
 from engines.config import EngineConfig
 from engines.weight_api import WeightApi
 from engines.weight_sync.config import GroupInfo
@@ -64,6 +65,51 @@ class FakeEngine(WeightApi):
     async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
         function = getattr(self.worker, method)
         return [await asyncio.to_thread(function, *args, **(kwargs or {}))]
+
+
+class ProbedEngine(FakeEngine):
+    """A FakeEngine with the real door (`Admission`, pause mode "keep") and a
+    probe that answers `logprobs` once `probe_go` is set; `generate(name,
+    done)` is a call whose work ends when `done` is set, logged in `events`."""
+
+    def __init__(self, model: torch.nn.Module, logprobs: list[float]):
+        super().__init__(model)
+        self.door = Admission(
+            freeze=self._nothing,
+            thaw=self._nothing,
+            abort=self._nothing,
+            version=lambda: self.weight_version,
+        )
+        self.logprobs = logprobs
+        self.probe_started, self.probe_go = asyncio.Event(), asyncio.Event()
+        self.events: list[str] = []
+
+    async def _nothing(self) -> None:
+        pass
+
+    async def pause_generation(self):
+        await self.door.close("keep")
+
+    async def resume_generation(self):
+        await self.door.open()
+
+    def hold_outputs(self) -> None:
+        self.door.hold()
+
+    def release_outputs(self, error) -> None:
+        self.door.settle(error)
+
+    async def probe_logprobs(self, token_ids):
+        self.probe_started.set()
+        await self.probe_go.wait()
+        return self.logprobs
+
+    async def generate(self, name: str, done: asyncio.Event) -> str:
+        async with self.door.request():
+            self.events.append(f"{name} in")
+            await done.wait()
+            self.events.append(f"{name} computed")
+        return name
 
 
 def model(seed: int) -> torch.nn.Module:

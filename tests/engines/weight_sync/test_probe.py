@@ -15,7 +15,13 @@ import ray
 import torch
 from policy_probes import ProbedPolicy
 
-from engines import RequestError, SamplingParams, create_vllm_engines, destroy_engines
+from engines import (
+    EngineStaleError,
+    RequestError,
+    SamplingParams,
+    create_vllm_engines,
+    destroy_engines,
+)
 from engines.client import get
 from engines.weight_sync import Manifest, ProbeMismatchError, broadcast, sync_from_checkpoint
 from engines.weight_sync.buckets import plan_buckets
@@ -158,28 +164,46 @@ def test_a_clean_sync_passes_the_probe_and_reports_it(setup):
     assert report.as_dict()["probe"]["status"] == "passed"
 
 
+def held_or_old(ref, version: int) -> bool:
+    """A request sent as a sync began: held until the probe failed (True),
+    or answered wholly on `version`, the weights before (False)."""
+    try:
+        output = get(ref, 30)
+    except EngineStaleError as exc:
+        assert "its probe failed" in str(exc)
+        return True
+    assert output.weight_versions == [version], output.weight_versions
+    return False
+
+
 def test_the_probe_catches_20_of_20_syncs_with_a_corrupted_bucket(setup, monkeypatch):
     engines, policy = setup
     engine = engines[0]
     buckets = len(plan_buckets(Manifest.of(policy.named_weights()), BUCKET_BYTES).buckets)
     assert buckets > 10  # so the 20 syncs corrupt many different buckets
-    caught = 0
+    caught = held = 0
     for attempt in range(20):
         served_version = get(engine.weight_status.remote(), 30).version
         # The sign bit, or the exponent's top bit, of every word of one bucket.
         corrupted = corrupt_bucket(monkeypatch, attempt * 7 % buckets, 31 if attempt % 2 else 30)
         policy.perturb(0.01, seed=100 + attempt)
+        # Work in flight as the sync begins: frozen across it and held for
+        # the probe (or, had it been quick, answered before the sync).
+        racing = engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=40))
         with pytest.raises(ProbeMismatchError, match="differ from the trainer's"):
             policy.sync_weights()
+        held += held_or_old(racing, served_version)
         assert corrupted, "the hook did not run"
         status = get(engine.weight_status.remote(), 30)
         assert status.stale and status.version == served_version
         assert not served(engine)  # refused: nothing was served on those weights
         caught += 1
         monkeypatch.undo()
+        # Healthy again before the next attempt: its work is let in.
+        policy.perturb(0.01, seed=500 + attempt)
+        assert policy.sync_weights().probe.status == "passed"
     assert caught == 20
-    policy.perturb(0.01, seed=999)
-    assert policy.sync_weights().probe.status == "passed"
+    assert held, "no request was in flight as a sync began: the hold was not tried"
     assert served(engine)
 
 

@@ -9,19 +9,22 @@ import threading
 
 import pytest
 import torch
-from fake_engine import FakeEngine, FakeWorker, assert_state, model, run, state
+from fake_engine import FakeEngine, FakeWorker, ProbedEngine, assert_state, model, run, state
 
+from engines.errors import EngineStaleError
 from engines.weight_sync import checkpoint
 from engines.weight_sync.buckets import plan_buckets
 from engines.weight_sync.checksum import checksums
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
     ManifestMismatchError,
+    ProbeMismatchError,
     WeightSyncError,
     WeightTransferError,
     WeightVersionError,
 )
 from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.probe import ProbeReference
 
 
 def test_a_full_sync_serves_the_new_version(engine, new_weights):
@@ -244,3 +247,54 @@ def test_begin_and_receive_refusing_its_arguments_leaves_nothing_open(engine):
         run(engine.begin_and_receive(1, None, "receive_shared_weights", ["m", 123, False]))
     assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
     assert engine.weights.open is None
+
+
+# --- the probe rides with the first work after the commit ----------------------------------
+REFERENCE = ProbeReference((1, 2, 3, 4), (-1.0, -2.0, -3.0), tolerance=0.1)
+
+
+def probed_sync(path: str, logprobs: list[float]) -> tuple[ProbedEngine, list]:
+    """A sync with the probe, which answers `logprobs` only once two calls
+    have computed on the new weights: one that waited at the door through
+    the sync, one let in while the probe ran. Neither call nor the commit
+    may have returned by then. Returns the engine and the outcomes of the
+    commit and the two calls (values or errors)."""
+    engine = ProbedEngine(model(0), logprobs)
+
+    async def scenario():
+        done = asyncio.Event()
+        await engine.begin_weight_sync(1)
+        queued = asyncio.create_task(engine.generate("queued", done))
+        await engine.load_weights_from_path(path)
+        commit = asyncio.create_task(engine.finish_weight_sync(1, probe=REFERENCE))
+        await engine.probe_started.wait()
+        assert engine.weight_version == 1 and not engine.door.closed  # committed, door open
+        during = asyncio.create_task(engine.generate("during", done))
+        done.set()
+        async with asyncio.timeout(10):
+            while len([e for e in engine.events if e.endswith("computed")]) < 2:
+                await asyncio.sleep(0)
+        assert not commit.done() and not queued.done() and not during.done()
+        engine.probe_go.set()
+        return await asyncio.gather(commit, queued, during, return_exceptions=True)
+
+    return engine, run(scenario())
+
+
+def test_outputs_computed_beside_the_probe_wait_for_its_verdict(new_weights):
+    path, expected = new_weights
+    engine, (committed, *answers) = probed_sync(path, [-1.0, -2.0, -3.0])
+    assert committed.probe.status == "passed" and answers == ["queued", "during"]
+    assert_state(engine.worker.model, expected)
+    assert (engine.weight_version, engine.stale) == (1, False)
+
+
+def test_a_probe_mismatch_fails_the_held_calls_and_serves_none(new_weights):
+    path, _ = new_weights
+    engine, (committed, *answers) = probed_sync(path, [-1.0, -7.5, -3.0])
+    assert isinstance(committed, ProbeMismatchError)
+    assert "engine -7.5000, trainer -2.0000" in str(committed)
+    assert all(isinstance(a, EngineStaleError) for a in answers), answers
+    assert "its probe failed" in str(answers[0]) and "engine -7.5000" in str(answers[0])
+    # Stale, at the version it served before: a failed sync never moves it on.
+    assert (engine.weight_version, engine.stale) == (0, True)
