@@ -37,7 +37,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-SCHEDULES = ("sync", "overlap", "in_flight", "partial")
+SCHEDULES = ("sync", "overlap", "in_flight", "partial", "partial_stop")
+#: `partial_stop`: `partial` with partial_keep_generating off (the groups not
+#: taken are aborted when the batch is complete, not at the sync).
+FLOW_SCHEDULE = {"partial_stop": "partial"}
 WORKLOADS = ("letter", "long-tail")
 LETTER_REWARD = "training.letter_task:reward"
 #: The GPU tests' model (tests/gpu/gpu_helpers.py).
@@ -123,7 +126,8 @@ def params_for(
     from flows.params import RolloutParams, sectioned
 
     on_gpu = args.backend == "vllm"
-    staleness = {"partial": args.partial_wait, "sync": None}.get(schedule, args.max_staleness)
+    flow_schedule = FLOW_SCHEDULE.get(schedule, schedule)
+    staleness = {"partial": args.partial_wait, "sync": None}.get(flow_schedule, args.max_staleness)
     fields = dict(
         prompts_path=str(prompts),
         label_field="answer",
@@ -138,7 +142,8 @@ def params_for(
         iterations=args.steps,
         learning_rate=args.learning_rate,
         seed=seed,
-        schedule=schedule,
+        schedule=flow_schedule,
+        partial_keep_generating=schedule == "partial",
         dynamic_sampling=args.dynamic_sampling,
         **({"max_staleness": staleness} if staleness is not None else {}),
         shard_size=max(1, args.prompts // (2 * args.num_engines)),
@@ -155,12 +160,12 @@ def params_for(
     return RolloutParams.model_validate(sectioned(fields))
 
 
-def run_one(params) -> dict:
+def run_one(params, schedule: str) -> dict:
     from flows.rollout import rollout
 
     state = rollout(params, return_state=True)
     if not state.is_completed():
-        raise RuntimeError(f"the {params.training.schedule} run failed: {state.message}")
+        raise RuntimeError(f"the {schedule} run failed: {state.message}")
     summary = state.result()
     rows = summary.training
 
@@ -168,7 +173,7 @@ def run_one(params) -> dict:
         return statistics.fmean(getattr(row, field) or 0.0 for row in rows)
 
     return {
-        "schedule": params.training.schedule,
+        "schedule": schedule,
         "seed": params.sampling.seed,
         "steps": len(rows),
         "iterations_s": summary.iterations_seconds,
@@ -268,12 +273,14 @@ def main(argv: list[str] | None = None) -> int:
                 run_one(
                     warmup.model_copy(
                         update={"training": warmup.training.model_copy(update={"iterations": 1})}
-                    )
+                    ),
+                    "sync",
                 )
                 print("warm-up run: done", flush=True)
             for schedule, seed in runs(args, schedules):
                 out = workdir / "out" / f"{schedule}-{seed}"
-                results.append(run_one(params_for(args, schedule, model, prompts, out, seed)))
+                params = params_for(args, schedule, model, prompts, out, seed)
+                results.append(run_one(params, schedule))
                 print(f"{schedule}: done ({results[-1]['iterations_s']:.1f} s)", flush=True)
                 # After each run: a command cut at its time limit keeps what ran.
                 report(args, results, time.monotonic() - began)

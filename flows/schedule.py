@@ -19,7 +19,8 @@ policy) and a weight sync (both). With S the staleness bound (0 for `sync`):
   and continue on the new weights; their rows record both versions).
 
 `partial` runs as `sync` does (its bound is how long a partial rollout may
-wait, tasks/partial.py, not a lag between generation and sync).
+wait, tasks/partial.py, not a lag between generation and sync); the groups
+a step does not take may go on generating under it, until the sync.
 
 The policy actor runs one method at a time, so a sync and a training step
 are never submitted together: the sync goes first, as the engines wait for it.
@@ -134,6 +135,12 @@ class Pipeline:
         self.written.add(iteration)
         if not self.generating:
             self._engines_free_since = now
+
+    def engines_busy(self, now: float) -> None:
+        """The engines ran work left from a generation until `now` (`partial`:
+        the groups not taken generate while the policy trains)."""
+        if not self.generating:
+            self._engines_free_since = max(self._engines_free_since, now)
 
     def training_started(self, iteration: int, now: float) -> None:
         self.training = iteration
