@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partial-in-flight", type=float, default=1.5)
     parser.add_argument(
         "--sync-seeds", type=int, default=1, help="runs of sync (seeds seed, seed+1, ...)"
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="runs of each other schedule (seeds seed, ...)"
     )
     parser.add_argument(
         "--colocate", action="store_true", help="vLLM: the policy on the engines' GPU"
@@ -161,6 +165,7 @@ def params_for(
 
 
 def run_one(params, schedule: str) -> dict:
+    from benchmarks.row_checks import check_rows
     from flows.rollout import rollout
 
     state = rollout(params, return_state=True)
@@ -172,7 +177,16 @@ def run_one(params, schedule: str) -> dict:
     def mean(field: str) -> float:
         return statistics.fmean(getattr(row, field) or 0.0 for row in rows)
 
+    # A batch: one group of n per row of the prompts file, under every schedule.
+    batch = len(Path(params.data.prompts_path).read_text().splitlines())
+    checks = check_rows(
+        Path(summary.output_dir),
+        len(rows),
+        batch * params.sampling.n,
+        params.training.staleness_bound,
+    )
     return {
+        "checks": asdict(checks) | {"ok": checks.ok},
         "schedule": schedule,
         "seed": params.sampling.seed,
         "steps": len(rows),
@@ -199,20 +213,20 @@ def table(results: list[dict]) -> str:
     syncs = [r["steps_per_hour"] for r in results if r["schedule"] == "sync"]
     base = statistics.fmean(syncs) if syncs else results[0]["steps_per_hour"]
     header = (
-        f"{'schedule':<10} {'seed':>4} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
+        f"{'schedule':<12} {'seed':>4} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
         f"{'trained':>7} {'gen s':>6} {'train s':>7} {'sync s':>6} {'eng idle':>8} "
-        f"{'idle %':>6} {'pol idle':>8}"
+        f"{'idle %':>6} {'pol idle':>8} {'rows ok':>7}"
     )
     lines = [header]
     for r in results:
         lines.append(
-            f"{r['schedule']:<10} {r['seed']:>4} {r['steps_per_hour']:>8.0f} "
+            f"{r['schedule']:<12} {r['seed']:>4} {r['steps_per_hour']:>8.0f} "
             f"{r['steps_per_hour'] / base:>6.2f}x "
             f"{r['reward_first']:>5.3f}->{r['reward_last']:<6.3f} {r['staleness_max']:>5} "
             f"{r['trained_samples']:>7} "
             f"{r['generate_s']:>6.2f} {r['train_s']:>7.2f} {r['sync_s']:>6.3f} "
             f"{r['engine_idle_s']:>8.2f} {100 * r['engine_idle_fraction']:>5.1f}% "
-            f"{r['policy_idle_s']:>8.2f}"
+            f"{r['policy_idle_s']:>8.2f} {'yes' if r['checks']['ok'] else 'NO':>7}"
         )
     return "\n".join(lines)
 
@@ -309,11 +323,15 @@ def write_prompts(args: argparse.Namespace, workdir: Path) -> Path:
 
 
 def runs(args: argparse.Namespace, schedules: list[str]) -> list[tuple[str, int]]:
-    """(schedule, seed) of each run: `sync` once per seed of --sync-seeds."""
+    """(schedule, seed) of each run: `sync` once per seed of --sync-seeds, the
+    others once per seed of --seeds; seed by seed, the schedules alternating
+    (so a drift of the machine's speed falls on all of them)."""
+    counts = {s: args.sync_seeds if s == "sync" else args.seeds for s in schedules}
     return [
         (schedule, args.seed + k)
+        for k in range(max(counts.values()))
         for schedule in schedules
-        for k in range(args.sync_seeds if schedule == "sync" else 1)
+        if k < counts[schedule]
     ]
 
 
@@ -332,8 +350,29 @@ def spread(results: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
+def means(results: list[dict]) -> str:
+    """Per schedule over its runs: steps/h against the mean of `sync`'s, the
+    share of wall time the engines idled, and whether every run's rows
+    passed benchmarks/row_checks.py (versions, each sample written once)."""
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["schedule"], []).append(r)
+
+    def mean(rs: list[dict], key: str) -> float:
+        return statistics.fmean(r[key] for r in rs)
+
+    base = mean(by.get("sync", results), "steps_per_hour")
+    return "\n".join(
+        f"{name}: {len(rs)} runs, steps/h {mean(rs, 'steps_per_hour') / base:.2f}x mean sync, "
+        f"idle {100 * mean(rs, 'engine_idle_fraction'):.1f}%, "
+        f"rows checked: {'ok' if all(r['checks']['ok'] for r in rs) else 'FAILED'}"
+        for name, rs in by.items()
+    )
+
+
 def report(args: argparse.Namespace, results: list[dict], seconds: float) -> None:
     print(f"\n{table(results)}\n(per iteration means; {seconds:.0f} s in all)")
+    print(means(results))
     if (line := spread(results)) is not None:
         print(line)
     sync = next((r for r in results if r["schedule"] == "sync"), None)

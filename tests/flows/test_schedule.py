@@ -254,6 +254,20 @@ def test_idle_seconds_of_engines_and_policy():
     assert pipeline.policy_idle_s == {0: 4.0, 1: 4.0}  # generation 0; generation 1
 
 
+def test_partial_engines_busy_with_the_groups_left_running_until_the_sync():
+    pipeline = Pipeline(2, "partial", 4)
+    pipeline.start(0.0)
+    pipeline.generation_started(0, 0.0)
+    pipeline.generation_done(0, 4.0)
+    pipeline.training_started(0, 4.0)
+    pipeline.training_done(1, 6.0)
+    pipeline.engines_busy(6.0)  # the groups not taken ran until the sync aborted them
+    pipeline.sync_started(6.0)
+    pipeline.sync_done(1, 7.0)
+    pipeline.generation_started(1, 7.0)
+    assert pipeline.engine_idle_s == {0: 0.0, 1: 1.0}  # the sync only
+
+
 def test_a_plain_run_only_generates():
     pipeline = Pipeline(2, "sync", 0, trains=False)
     pipeline.start(0.0)
