@@ -81,7 +81,7 @@ def run_iterations(
     scorer: Any,
     ledger: Ledger,
     agent: AgentPlan | None = None,
-) -> None:
+) -> float:
     """Generate (-> train -> sync) every iteration, as the run's schedule
     interleaves them (flows/schedule.py decides, this submits): Prefect task
     futures on the flow's task runner, so the UI shows the tasks side by side.
@@ -89,7 +89,8 @@ def run_iterations(
     `policy_up`: on an on-policy run, the future of the policy's start-up
     (its handle). Generation does not wait for it; training waits, and the
     first sync connects the policy to the engines. `agent`: an agent run's
-    sessions (tasks/agents.py)."""
+    sessions (tasks/agents.py). Returns the seconds nothing ran but the
+    policy's start (start-up, as the engines')."""
     training = params.training
     on_policy = policy_up is not None
     pipeline = Pipeline(
@@ -136,6 +137,7 @@ def run_iterations(
         now = time.monotonic()
         if kind == "policy":
             policy = future.result()
+            pipeline.policy_up(now)
         elif kind == "generate":
             ledger.reports[i] = future.result()
             pipeline.generation_done(i, now)
@@ -145,6 +147,7 @@ def run_iterations(
         elif sync_finished(future, i, pipeline, ledger, now):
             link.handle = policy
         ledger.close_iterations(pipeline)
+    return pipeline.startup_wait_s
 
 
 def sync_finished(

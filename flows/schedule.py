@@ -63,6 +63,9 @@ class Pipeline:
     #: nor syncing) were idle before each iteration's generation / training.
     engine_idle_s: dict[int, float] = field(default_factory=dict)
     policy_idle_s: dict[int, float] = field(default_factory=dict)
+    #: Seconds nothing ran but the policy's start (a colocated policy starts
+    #: after the engines): start-up, not the engines' idle time.
+    startup_wait_s: float = 0.0
     _engines_free_since: float | None = None
     _policy_free_since: float | None = None
     _policy_idle_owed: float = 0.0
@@ -135,6 +138,13 @@ class Pipeline:
         self.written.add(iteration)
         if not self.generating:
             self._engines_free_since = now
+
+    def policy_up(self, now: float) -> None:
+        """The policy came up: engines free since before waited for it."""
+        if not self.generating:
+            self.startup_wait_s += now - self._engines_free_since
+            self._engines_free_since = now
+        self._policy_free_since = now
 
     def engines_busy(self, now: float) -> None:
         """The engines ran work left from a generation until `now` (`partial`:

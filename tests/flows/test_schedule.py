@@ -265,6 +265,21 @@ def test_idle_seconds_of_engines_and_policy(schedule, staleness, kept_busy, idle
     assert pipeline.policy_idle_s == {0: 4.0, 1: 4.0}  # generation 0; generation 1
 
 
+def test_the_wait_for_a_policy_that_comes_up_after_generation_0_is_start_up():
+    pipeline = Pipeline(2, "partial", 4)
+    pipeline.start(0.0)
+    pipeline.generation_started(0, 0.0)
+    pipeline.generation_done(0, 2.0)
+    pipeline.policy_up(5.0)  # a colocated policy starts after the engines
+    pipeline.training_started(0, 5.0)
+    pipeline.training_done(1, 6.0)
+    pipeline.sync_started(6.0)
+    pipeline.sync_done(1, 7.0)
+    pipeline.generation_started(1, 7.0)
+    assert pipeline.startup_wait_s == 3.0
+    assert pipeline.engine_idle_s[1] == 2.0 and pipeline.policy_idle_s[0] == 0.0
+
+
 def test_a_plain_run_only_generates():
     pipeline = Pipeline(2, "sync", 0, trains=False)
     pipeline.start(0.0)
