@@ -12,11 +12,16 @@ times for the reward's spread.
         --max-tokens 96 --steps 6 --json schedules.json  # 2 GPUs: engine / policy
     python benchmarks/schedules.py --workload long-tail --schedules sync,partial \\
         --sync-seeds 3 --scale 32 --prompts 16 --n 4 --steps 6   # CPU, small scale
+    python benchmarks/schedules.py --backend vllm --gpu-model --colocate --workload long-tail \\
+        --scale 16 --prompts 32 --n 8 --steps 4 --learning-rate 0.00005 \\
+        --schedules sync,partial --sync-seeds 3 --seeds 3   # one GPU, engine and policy on it
 
 Per schedule: training steps per hour over the iterations (start-up excluded:
 engines and policy load once per run), the ratio to `sync`, the reward after
-the fixed number of steps, the most stale row, and the mean seconds of
-generate / train / sync and of engine and policy idle time per iteration.
+the fixed number of steps, the most stale row, the mean seconds of
+generate / train / sync and of engine and policy idle time per iteration, and
+whether the run's rows pass benchmarks/row_checks.py. `partial_stop`: the
+`partial` schedule with partial_keep_generating off, to compare the two.
 `--gpu-model` builds the GPU tests' 0.28B model (random weights, bf16); the
 policy trains it in float32 on its own GPU and syncs it over NCCL.
 """
@@ -261,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = write_prompts(args, workdir)
     model = build_model(args, workdir)
     where = (
-        "GPU: vLLM engines, the policy on a GPU of its own (NCCL sync)"
+        "GPU: vLLM engines, "
+        + ("the policy on their GPU (CUDA IPC" if args.colocate else "a GPU of its own (NCCL")
+        + " sync)"
         if args.backend == "vllm"
         else "CPU: the tiny model (hf engines, gloo sync); small numbers, "
         "not the GPU figures of docs/benchmarks.md"
@@ -351,9 +358,8 @@ def spread(results: list[dict]) -> str | None:
 
 
 def means(results: list[dict]) -> str:
-    """Per schedule over its runs: steps/h against the mean of `sync`'s, the
-    share of wall time the engines idled, and whether every run's rows
-    passed benchmarks/row_checks.py (versions, each sample written once)."""
+    """Per schedule over its runs: steps/h against `sync`'s mean, the share of
+    wall time the engines idled, and whether every run's rows passed the checks."""
     by: dict[str, list[dict]] = {}
     for r in results:
         by.setdefault(r["schedule"], []).append(r)
