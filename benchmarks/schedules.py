@@ -13,7 +13,7 @@ times for the reward's spread.
     python benchmarks/schedules.py --workload long-tail --schedules sync,partial \\
         --sync-seeds 3 --scale 32 --prompts 16 --n 4 --steps 6   # CPU, small scale
     python benchmarks/schedules.py --backend vllm --gpu-model --colocate --workload long-tail \\
-        --scale 16 --prompts 32 --n 8 --steps 4 --learning-rate 0.00005 \\
+        --scale 16 --prompts 32 --n 8 --steps 3 --partial-wait 2 --learning-rate 0.00005 \\
         --schedules sync,partial --sync-seeds 3 --seeds 3   # one GPU, engine and policy on it
 
 Per schedule: training steps per hour over the iterations (start-up excluded:
