@@ -12,11 +12,16 @@ times for the reward's spread.
         --max-tokens 96 --steps 6 --json schedules.json  # 2 GPUs: engine / policy
     python benchmarks/schedules.py --workload long-tail --schedules sync,partial \\
         --sync-seeds 3 --scale 32 --prompts 16 --n 4 --steps 6   # CPU, small scale
+    python benchmarks/schedules.py --backend vllm --gpu-model --colocate --workload long-tail \\
+        --scale 16 --prompts 32 --n 8 --steps 3 --partial-wait 2 --learning-rate 0.00005 \\
+        --schedules sync,partial --sync-seeds 3 --seeds 3   # one GPU, engine and policy on it
 
 Per schedule: training steps per hour over the iterations (start-up excluded:
 engines and policy load once per run), the ratio to `sync`, the reward after
-the fixed number of steps, the most stale row, and the mean seconds of
-generate / train / sync and of engine and policy idle time per iteration.
+the fixed number of steps, the most stale row, the mean seconds of
+generate / train / sync and of engine and policy idle time per iteration, and
+whether the run's rows pass benchmarks/row_checks.py. `partial_stop`: the
+`partial` schedule with partial_keep_generating off, to compare the two.
 `--gpu-model` builds the GPU tests' 0.28B model (random weights, bf16); the
 policy trains it in float32 on its own GPU and syncs it over NCCL.
 """
@@ -30,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +43,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-SCHEDULES = ("sync", "overlap", "in_flight", "partial")
+SCHEDULES = ("sync", "overlap", "in_flight", "partial", "partial_stop")
+#: `partial_stop`: `partial` with partial_keep_generating off (the groups not
+#: taken are aborted when the batch is complete, not at the sync).
+FLOW_SCHEDULE = {"partial_stop": "partial"}
 WORKLOADS = ("letter", "long-tail")
 LETTER_REWARD = "training.letter_task:reward"
 #: The GPU tests' model (tests/gpu/gpu_helpers.py).
@@ -74,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partial-in-flight", type=float, default=1.5)
     parser.add_argument(
         "--sync-seeds", type=int, default=1, help="runs of sync (seeds seed, seed+1, ...)"
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="runs of each other schedule (seeds seed, ...)"
     )
     parser.add_argument(
         "--colocate", action="store_true", help="vLLM: the policy on the engines' GPU"
@@ -123,7 +135,8 @@ def params_for(
     from flows.params import RolloutParams, sectioned
 
     on_gpu = args.backend == "vllm"
-    staleness = {"partial": args.partial_wait, "sync": None}.get(schedule, args.max_staleness)
+    flow_schedule = FLOW_SCHEDULE.get(schedule, schedule)
+    staleness = {"partial": args.partial_wait, "sync": None}.get(flow_schedule, args.max_staleness)
     fields = dict(
         prompts_path=str(prompts),
         label_field="answer",
@@ -138,7 +151,8 @@ def params_for(
         iterations=args.steps,
         learning_rate=args.learning_rate,
         seed=seed,
-        schedule=schedule,
+        schedule=flow_schedule,
+        partial_keep_generating=schedule == "partial",
         dynamic_sampling=args.dynamic_sampling,
         **({"max_staleness": staleness} if staleness is not None else {}),
         shard_size=max(1, args.prompts // (2 * args.num_engines)),
@@ -155,20 +169,30 @@ def params_for(
     return RolloutParams.model_validate(sectioned(fields))
 
 
-def run_one(params) -> dict:
+def run_one(params, schedule: str) -> dict:
+    from benchmarks.row_checks import check_rows
     from flows.rollout import rollout
 
     state = rollout(params, return_state=True)
     if not state.is_completed():
-        raise RuntimeError(f"the {params.training.schedule} run failed: {state.message}")
+        raise RuntimeError(f"the {schedule} run failed: {state.message}")
     summary = state.result()
     rows = summary.training
 
     def mean(field: str) -> float:
         return statistics.fmean(getattr(row, field) or 0.0 for row in rows)
 
+    # A batch: one group of n per row of the prompts file, under every schedule.
+    batch = len(Path(params.data.prompts_path).read_text().splitlines())
+    checks = check_rows(
+        Path(summary.output_dir),
+        len(rows),
+        batch * params.sampling.n,
+        params.training.staleness_bound,
+    )
     return {
-        "schedule": params.training.schedule,
+        "checks": asdict(checks) | {"ok": checks.ok},
+        "schedule": schedule,
         "seed": params.sampling.seed,
         "steps": len(rows),
         "iterations_s": summary.iterations_seconds,
@@ -194,20 +218,20 @@ def table(results: list[dict]) -> str:
     syncs = [r["steps_per_hour"] for r in results if r["schedule"] == "sync"]
     base = statistics.fmean(syncs) if syncs else results[0]["steps_per_hour"]
     header = (
-        f"{'schedule':<10} {'seed':>4} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
+        f"{'schedule':<12} {'seed':>4} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
         f"{'trained':>7} {'gen s':>6} {'train s':>7} {'sync s':>6} {'eng idle':>8} "
-        f"{'idle %':>6} {'pol idle':>8}"
+        f"{'idle %':>6} {'pol idle':>8} {'rows ok':>7}"
     )
     lines = [header]
     for r in results:
         lines.append(
-            f"{r['schedule']:<10} {r['seed']:>4} {r['steps_per_hour']:>8.0f} "
+            f"{r['schedule']:<12} {r['seed']:>4} {r['steps_per_hour']:>8.0f} "
             f"{r['steps_per_hour'] / base:>6.2f}x "
             f"{r['reward_first']:>5.3f}->{r['reward_last']:<6.3f} {r['staleness_max']:>5} "
             f"{r['trained_samples']:>7} "
             f"{r['generate_s']:>6.2f} {r['train_s']:>7.2f} {r['sync_s']:>6.3f} "
             f"{r['engine_idle_s']:>8.2f} {100 * r['engine_idle_fraction']:>5.1f}% "
-            f"{r['policy_idle_s']:>8.2f}"
+            f"{r['policy_idle_s']:>8.2f} {'yes' if r['checks']['ok'] else 'NO':>7}"
         )
     return "\n".join(lines)
 
@@ -242,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = write_prompts(args, workdir)
     model = build_model(args, workdir)
     where = (
-        "GPU: vLLM engines, the policy on a GPU of its own (NCCL sync)"
+        "GPU: vLLM engines, "
+        + ("the policy on their GPU (CUDA IPC" if args.colocate else "a GPU of its own (NCCL")
+        + " sync)"
         if args.backend == "vllm"
         else "CPU: the tiny model (hf engines, gloo sync); small numbers, "
         "not the GPU figures of docs/benchmarks.md"
@@ -268,12 +294,14 @@ def main(argv: list[str] | None = None) -> int:
                 run_one(
                     warmup.model_copy(
                         update={"training": warmup.training.model_copy(update={"iterations": 1})}
-                    )
+                    ),
+                    "sync",
                 )
                 print("warm-up run: done", flush=True)
             for schedule, seed in runs(args, schedules):
                 out = workdir / "out" / f"{schedule}-{seed}"
-                results.append(run_one(params_for(args, schedule, model, prompts, out, seed)))
+                params = params_for(args, schedule, model, prompts, out, seed)
+                results.append(run_one(params, schedule))
                 print(f"{schedule}: done ({results[-1]['iterations_s']:.1f} s)", flush=True)
                 # After each run: a command cut at its time limit keeps what ran.
                 report(args, results, time.monotonic() - began)
@@ -302,11 +330,15 @@ def write_prompts(args: argparse.Namespace, workdir: Path) -> Path:
 
 
 def runs(args: argparse.Namespace, schedules: list[str]) -> list[tuple[str, int]]:
-    """(schedule, seed) of each run: `sync` once per seed of --sync-seeds."""
+    """(schedule, seed) of each run: `sync` once per seed of --sync-seeds, the
+    others once per seed of --seeds; seed by seed, the schedules alternating
+    (so a drift of the machine's speed falls on all of them)."""
+    counts = {s: args.sync_seeds if s == "sync" else args.seeds for s in schedules}
     return [
         (schedule, args.seed + k)
+        for k in range(max(counts.values()))
         for schedule in schedules
-        for k in range(args.sync_seeds if schedule == "sync" else 1)
+        if k < counts[schedule]
     ]
 
 
@@ -325,8 +357,28 @@ def spread(results: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
+def means(results: list[dict]) -> str:
+    """Per schedule over its runs: steps/h against `sync`'s mean, the share of
+    wall time the engines idled, and whether every run's rows passed the checks."""
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["schedule"], []).append(r)
+
+    def mean(rs: list[dict], key: str) -> float:
+        return statistics.fmean(r[key] for r in rs)
+
+    base = mean(by.get("sync", results), "steps_per_hour")
+    return "\n".join(
+        f"{name}: {len(rs)} runs, steps/h {mean(rs, 'steps_per_hour') / base:.2f}x mean sync, "
+        f"idle {100 * mean(rs, 'engine_idle_fraction'):.1f}%, "
+        f"rows checked: {'ok' if all(r['checks']['ok'] for r in rs) else 'FAILED'}"
+        for name, rs in by.items()
+    )
+
+
 def report(args: argparse.Namespace, results: list[dict], seconds: float) -> None:
     print(f"\n{table(results)}\n(per iteration means; {seconds:.0f} s in all)")
+    print(means(results))
     if (line := spread(results)) is not None:
         print(line)
     sync = next((r for r in results if r["schedule"] == "sync"), None)

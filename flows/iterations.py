@@ -21,7 +21,7 @@ from flows.params import RolloutParams
 from flows.schedule import Pipeline
 from tasks.agents import AgentPlan
 from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
-from tasks.partial import PartialPlan, generate_partial_rollouts, in_flight_groups
+from tasks.partial import LeftRunning, PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
@@ -81,7 +81,7 @@ def run_iterations(
     scorer: Any,
     ledger: Ledger,
     agent: AgentPlan | None = None,
-) -> None:
+) -> float:
     """Generate (-> train -> sync) every iteration, as the run's schedule
     interleaves them (flows/schedule.py decides, this submits): Prefect task
     futures on the flow's task runner, so the UI shows the tasks side by side.
@@ -89,15 +89,18 @@ def run_iterations(
     `policy_up`: on an on-policy run, the future of the policy's start-up
     (its handle). Generation does not wait for it; training waits, and the
     first sync connects the policy to the engines. `agent`: an agent run's
-    sessions (tasks/agents.py)."""
-    logger = get_run_logger()
+    sessions (tasks/agents.py). Returns the seconds nothing ran but the
+    policy's start (start-up, as the engines')."""
     training = params.training
     on_policy = policy_up is not None
     pipeline = Pipeline(
         training.iterations, training.schedule, training.staleness_bound, trains=on_policy
     )
-    task = generate_partial_rollouts if training.schedule == "partial" else generate_rollouts
+    partial = training.schedule == "partial"
+    task = generate_partial_rollouts if partial else generate_rollouts
     generate = task.with_options(retries=params.cluster.engine_retries)
+    # `partial`: what a generation leaves running while the policy trains.
+    left = (LeftRunning(),) if partial else ()
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
     if policy_up is not None:
         running[policy_up] = ("policy", 0)
@@ -108,6 +111,9 @@ def run_iterations(
     while not pipeline.done:
         now = time.monotonic()
         if pipeline.should_sync():
+            if left and left[0].stop():
+                now = time.monotonic()
+                pipeline.engines_busy(now)
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
             future = sync_weights.submit(
@@ -124,33 +130,45 @@ def run_iterations(
                 params, run_dir, i, len(prompts), on_policy=on_policy, agent=agent
             )
             bar = progress.iteration(i, len(prompts) * params.sampling.n)
-            running[generate.submit(pool, prompts, plan, bar, link, scorer)] = ("generate", i)
+            future = generate.submit(pool, prompts, plan, bar, link, scorer, *left)
+            running[future] = ("generate", i)
         future = first_done(list(running))
         kind, i = running.pop(future)
         now = time.monotonic()
         if kind == "policy":
             policy = future.result()
+            pipeline.policy_up(now)
         elif kind == "generate":
             ledger.reports[i] = future.result()
             pipeline.generation_done(i, now)
         elif kind == "train":
             ledger.steps[i] = step = future.result()
             pipeline.training_done(step.version, now)
-        else:
-            try:
-                synced = future.result()
-            except (EngineFailure, WeightSyncError) as exc:
-                # An engine died under the sync: a running generation's
-                # retry replaces it and syncs it (and the others) to the
-                # policy's version; the next sync waits for those generations.
-                if not pipeline.sync_failed(now):
-                    raise
-                logger.warning("sync of iteration %d's version failed (%s); retried later", i, exc)
-            else:
-                link.handle = policy
-                pipeline.sync_done(synced.version, now)
-                ledger.syncs[synced.version - 1] = synced
+        elif sync_finished(future, i, pipeline, ledger, now):
+            link.handle = policy
         ledger.close_iterations(pipeline)
+    return pipeline.startup_wait_s
+
+
+def sync_finished(
+    future: PrefectConcurrentFuture, made_by: int, pipeline: Pipeline, ledger: Ledger, now: float
+) -> bool:
+    """Record a finished sync; False when it failed and will be retried."""
+    try:
+        synced = future.result()
+    except (EngineFailure, WeightSyncError) as exc:
+        # An engine died under the sync: a running generation's retry
+        # replaces it and syncs it (and the others) to the policy's version;
+        # the next sync waits for those generations.
+        if not pipeline.sync_failed(now):
+            raise
+        get_run_logger().warning(
+            "sync of iteration %d's version failed (%s); retried later", made_by, exc
+        )
+        return False
+    pipeline.sync_done(synced.version, now)
+    ledger.syncs[synced.version - 1] = synced
+    return True
 
 
 def first_done(futures: list[PrefectConcurrentFuture]) -> PrefectConcurrentFuture:
@@ -184,7 +202,12 @@ def iteration_plan(
     if training.schedule != "partial":
         return plan
     groups = in_flight_groups(prompts, training.partial_in_flight)
-    return PartialPlan(plan, groups, max_wait=training.max_staleness)
+    return PartialPlan(
+        plan,
+        groups,
+        max_wait=training.max_staleness,
+        keep_generating=training.partial_keep_generating,
+    )
 
 
 def generation_plan(

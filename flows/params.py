@@ -179,6 +179,13 @@ class TrainingParams(BaseModel):
         "prompts file's rows; at most 2, so the groups at their wait bound fit in one "
         "batch); a step takes the first batch of them to complete.",
     )
+    partial_keep_generating: bool = Field(
+        True,
+        description="partial: the groups a step does not take go on generating while the "
+        "policy trains (on the version that started them), and are aborted at the sync, so "
+        "the engines do not wait for the step. Off: they are aborted when the batch is "
+        "complete, and a colocated policy has the GPU to itself.",
+    )
     weight_sync_probe: bool = Field(
         True,
         description="After each weight sync, every engine compares its logprobs of a fixed "

@@ -68,7 +68,8 @@ class RunSummary:
     #: attempt of the run are reused, not regenerated).
     generate_calls: int
     seconds: float
-    #: Of which the iterations (generate, train, sync), after start-up.
+    #: Of which the iterations (generate, train, sync), after start-up (a
+    #: colocated policy's, which starts after the engines, included).
     iterations_seconds: float
     iterations: list[IterationReport]
     #: On-policy runs: per iteration, the policy step and the sync after it.
@@ -286,10 +287,10 @@ def start_and_iterate(
     agent = side.agent_plan(pool)
     looped = time.monotonic()
     with RunProgress() as progress:
-        run_iterations(
+        waited = run_iterations(
             params, run_dir, pool, prompts, progress, side.policy_up, side.scorer, ledger, agent
         )
-    return time.monotonic() - looped
+    return time.monotonic() - looped - waited
 
 
 def summarize(

@@ -19,7 +19,8 @@ policy) and a weight sync (both). With S the staleness bound (0 for `sync`):
   and continue on the new weights; their rows record both versions).
 
 `partial` runs as `sync` does (its bound is how long a partial rollout may
-wait, tasks/partial.py, not a lag between generation and sync).
+wait, tasks/partial.py, not a lag between generation and sync); the groups
+a step does not take may go on generating under it, until the sync.
 
 The policy actor runs one method at a time, so a sync and a training step
 are never submitted together: the sync goes first, as the engines wait for it.
@@ -62,6 +63,9 @@ class Pipeline:
     #: nor syncing) were idle before each iteration's generation / training.
     engine_idle_s: dict[int, float] = field(default_factory=dict)
     policy_idle_s: dict[int, float] = field(default_factory=dict)
+    #: Seconds nothing ran but the policy's start (a colocated policy starts
+    #: after the engines): start-up, not the engines' idle time.
+    startup_wait_s: float = 0.0
     _engines_free_since: float | None = None
     _policy_free_since: float | None = None
     _policy_idle_owed: float = 0.0
@@ -134,6 +138,19 @@ class Pipeline:
         self.written.add(iteration)
         if not self.generating:
             self._engines_free_since = now
+
+    def policy_up(self, now: float) -> None:
+        """The policy came up: engines free since before waited for it."""
+        if not self.generating:
+            self.startup_wait_s += now - self._engines_free_since
+            self._engines_free_since = now
+        self._policy_free_since = now
+
+    def engines_busy(self, now: float) -> None:
+        """The engines ran work left from a generation until `now` (`partial`:
+        the groups not taken generate while the policy trains)."""
+        if not self.generating:
+            self._engines_free_since = max(self._engines_free_since, now)
 
     def training_started(self, iteration: int, now: float) -> None:
         self.training = iteration

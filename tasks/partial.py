@@ -60,6 +60,8 @@ class PartialPlan:
     in_flight: int
     #: Iterations a group may wait for its batch (the run's max_staleness).
     max_wait: int
+    #: The groups not taken go on generating while the policy trains (`LeftRunning`).
+    keep_generating: bool = False
 
 
 def in_flight_groups(batch: int, factor: float) -> int:
@@ -74,6 +76,38 @@ def group_seed(base_seed: int, iteration: int, slot: int, in_flight: int) -> int
     """The seed of a group, unique within a run (slots of an iteration never
     reach `in_flight`)."""
     return base_seed + iteration * in_flight + slot
+
+
+class LeftRunning:
+    """The segments an iteration leaves generating while the policy trains
+    (`PartialPlan.keep_generating`), so the engines do not wait for the step.
+    The flow stops them before the sync: a vLLM segment runs under one
+    version, so the sync must find the engines idle. Their tokens so far go
+    into the iteration's carry, written again with the same groups (a flow
+    that fails first tears the engines down, and the carry stays as the
+    task wrote it). A plain class: Prefect passes it to the task as it is."""
+
+    def __init__(self) -> None:
+        self._runner: SegmentRunner | None = None
+        self._carry: CarryStore | None = None
+        self._iteration = 0
+        self._groups: list[GroupState] = []
+
+    def hold(
+        self, runner: SegmentRunner, carry: CarryStore, iteration: int, groups: list[GroupState]
+    ) -> None:
+        self._runner, self._carry, self._iteration, self._groups = runner, carry, iteration, groups
+
+    def stop(self) -> bool:
+        """Abort what runs and rewrite the carry; True when a segment was
+        still generating (the engines were busy until now)."""
+        runner, carry, self._runner = self._runner, self._carry, None
+        if runner is None or carry is None:
+            return False
+        busy = runner.running()
+        runner.finish()
+        carry.write(self._iteration, self._groups)
+        return busy
 
 
 class CarryStore:
@@ -127,8 +161,10 @@ def generate_partial_rollouts(
     progress: IterationProgress,
     policy: PolicyLink | None = None,
     scorer: Any = None,
+    left: LeftRunning | None = None,
 ) -> IterationReport:
-    """Generate iteration `plan.generation.iteration` of a `partial` run."""
+    """Generate iteration `plan.generation.iteration` of a `partial` run;
+    with `plan.keep_generating`, what is not taken runs on in `left`."""
     began = time.monotonic()
     g, logger = plan.generation, get_run_logger()
     store = start_try(pool, g, policy, prompts)
@@ -153,18 +189,24 @@ def generate_partial_rollouts(
         timeout_s=g.cluster.request_timeout_s,
         abort_timeout_s=g.cluster.ready_timeout_s,
     )
-    completed = runner.run(groups_for(plan, prompts, carried), due)
-    due_ids = {id(group) for group in due}
-    taken = (due + [group for group in completed if id(group) not in due_ids])[:batch]
-    taken_ids = {id(group) for group in taken}
-    if len(taken) < batch or not due_ids <= taken_ids or not all(t.complete for t in taken):
-        raise RuntimeError(
-            f"iteration {g.iteration}: {len(completed)} of {batch} groups completed, "
-            f"{len(due)} due, with {plan.in_flight} in flight"
-        )
-    left = [group for group in runner.groups if id(group) not in taken_ids]
-    carry.write(g.iteration, left)
-    rows, reward_s = write_rows(store, shard, prompts, g, taken, scorer)
+    keep = plan.keep_generating and left is not None
+    completed = runner.run(groups_for(plan, prompts, carried), due, keep_running=keep)
+    try:
+        taken = take_batch(completed, due, batch)
+        if taken is None:
+            raise RuntimeError(
+                f"iteration {g.iteration}: {len(completed)} of {batch} groups completed, "
+                f"{len(due)} due, with {plan.in_flight} in flight"
+            )
+        taken_ids = {id(group) for group in taken}
+        rest = [group for group in runner.groups if id(group) not in taken_ids]
+        carry.write(g.iteration, rest)
+        rows, reward_s = write_rows(store, shard, prompts, g, taken, scorer)
+    except BaseException:
+        runner.abandon()
+        raise
+    if keep:
+        left.hold(runner, carry, g.iteration, rest)
     counts = runner.counts
     progress.written(len(rows), counts.tokens, restarts(pool))
     logger.info(
@@ -173,7 +215,7 @@ def generate_partial_rollouts(
         g.iteration,
         len(taken),
         len(due),
-        len(left),
+        len(rest),
         counts.sent,
         counts.resumed,
         counts.aborted,
@@ -187,6 +229,20 @@ def generate_partial_rollouts(
         generated_tokens=counts.tokens,
         reward_seconds=round(reward_s, 3),
     )
+
+
+def take_batch(
+    completed: list[GroupState], due: list[GroupState], batch: int
+) -> list[GroupState] | None:
+    """The groups a step trains on: the due ones first, then the first to
+    complete; None when they are not a full batch of complete groups with
+    every due one."""
+    due_ids = {id(group) for group in due}
+    taken = (due + [group for group in completed if id(group) not in due_ids])[:batch]
+    taken_ids = {id(group) for group in taken}
+    if len(taken) < batch or not due_ids <= taken_ids or not all(t.complete for t in taken):
+        return None
+    return taken
 
 
 def write_rows(

@@ -71,10 +71,13 @@ class SegmentRunner:
         self.counts = SegmentCounts()
         self.stopping = False
 
-    def run(self, groups: list[GroupState], due: list[GroupState] = ()) -> list[GroupState]:
+    def run(
+        self, groups: list[GroupState], due: list[GroupState] = (), *, keep_running: bool = False
+    ) -> list[GroupState]:
         """Complete groups in the order they completed (already complete ones
-        first). The engines stop once `batch` groups are complete and every
-        group of `due` (those at their wait bound) too."""
+        first), once `batch` groups are complete and every group of `due`
+        (those at their wait bound) too. Then the engines stop, or with
+        `keep_running` go on with the rest until `finish`."""
         self.groups = list(groups)
         self.due = list(due)
         self.completed = [g for g in groups if g.complete]
@@ -83,13 +86,39 @@ class SegmentRunner:
             if not self.stopping:
                 for group in groups:
                     self.send(group, [s for s in group.samples if not s.done])
+            while self.flights and not self.enough():
+                self.collect_one()
+        except BaseException:
+            # An error, the flow cancelled: stop the engines' work rather
+            # than let it run on.
+            self.abandon()
+            raise
+        if not keep_running:
+            self.finish()
+        return self.completed
+
+    def running(self) -> bool:
+        """Whether a segment is still generating (not yet answered)."""
+        if not self.flights:
+            return False
+        ready, _ = ray.wait(list(self.flights), num_returns=len(self.flights), timeout=0)
+        return len(ready) < len(self.flights)
+
+    def abandon(self) -> None:
+        """Cancel what runs, its tokens lost (an error, the flow stopped)."""
+        cancel(list(self.flights))
+        self.flights.clear()
+
+    def finish(self) -> None:
+        """Abort what still runs and take its tokens so far (the samples stay
+        unfinished, to be resumed)."""
+        try:
+            if self.flights:
+                self.stop()
             while self.flights:
                 self.collect_one()
         finally:
-            # Any exit with segments out (an error, the flow cancelled):
-            # stop the engines' work rather than let it run on.
-            cancel(list(self.flights))
-        return self.completed
+            self.abandon()
 
     def send(self, group: GroupState, samples: list[SampleState]) -> None:
         """A group not started yet goes as one request of n samples (as
@@ -157,8 +186,6 @@ class SegmentRunner:
             self.send(group, unfinished)
         if group.complete:
             self.completed.append(group)
-            if not self.stopping and self.enough():
-                self.stop()
 
     def enough(self) -> bool:
         return len(self.completed) >= self.batch and all(g.complete for g in self.due)

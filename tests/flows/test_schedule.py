@@ -238,20 +238,46 @@ def test_a_failed_sync_waits_for_every_generation_running_at_the_failure():
     assert pipeline.should_sync()
 
 
-def test_idle_seconds_of_engines_and_policy():
-    pipeline = Pipeline(2, "sync", 0)
+@pytest.mark.parametrize(
+    ("schedule", "staleness", "kept_busy", "idle"),
+    [
+        ("sync", 0, False, 3.0),  # train + sync
+        ("partial", 4, False, 3.0),
+        # The groups a partial step did not take ran until the sync aborted them.
+        ("partial", 4, True, 1.0),  # the sync only
+    ],
+)
+def test_idle_seconds_of_engines_and_policy(schedule, staleness, kept_busy, idle):
+    pipeline = Pipeline(2, schedule, staleness)
     pipeline.start(0.0)
     pipeline.generation_started(0, 0.0)
     pipeline.generation_done(0, 4.0)
     pipeline.training_started(0, 4.0)
     pipeline.training_done(1, 6.0)
+    if kept_busy:
+        pipeline.engines_busy(6.0)
     pipeline.sync_started(6.0)
     pipeline.sync_done(1, 7.0)
     pipeline.generation_started(1, 7.0)
     pipeline.generation_done(1, 11.0)
     pipeline.training_started(1, 11.0)
-    assert pipeline.engine_idle_s == {0: 0.0, 1: 3.0}  # train + sync
+    assert pipeline.engine_idle_s == {0: 0.0, 1: idle}
     assert pipeline.policy_idle_s == {0: 4.0, 1: 4.0}  # generation 0; generation 1
+
+
+def test_the_wait_for_a_policy_that_comes_up_after_generation_0_is_start_up():
+    pipeline = Pipeline(2, "partial", 4)
+    pipeline.start(0.0)
+    pipeline.generation_started(0, 0.0)
+    pipeline.generation_done(0, 2.0)
+    pipeline.policy_up(5.0)  # a colocated policy starts after the engines
+    pipeline.training_started(0, 5.0)
+    pipeline.training_done(1, 6.0)
+    pipeline.sync_started(6.0)
+    pipeline.sync_done(1, 7.0)
+    pipeline.generation_started(1, 7.0)
+    assert pipeline.startup_wait_s == 3.0
+    assert pipeline.engine_idle_s[1] == 2.0 and pipeline.policy_idle_s[0] == 0.0
 
 
 def test_a_plain_run_only_generates():

@@ -141,3 +141,21 @@ def test_an_engine_killed_under_resumed_work_loses_none_of_the_tokens_before(poo
         assert sample.token_versions == before.token_versions + [1] * len(after.token_ids)
     redone = long_group.samples[held[0]]
     assert redone.engines[-1] == pool.name(1)
+
+
+def test_kept_running_the_rest_generates_until_finish_then_stops_with_its_tokens(pool):
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    # The batch is complete and the long group still generates (400 tokens
+    # on the CPU engine take far longer than the 8 of the short one).
+    assert kept.running() and kept.counts.aborted == 0 and not long_group.complete
+    kept.finish()
+    assert not kept.flights and not kept.running() and kept.counts.aborted == 2
+    for sample in long_group.samples:
+        made = len(sample.token_ids)
+        assert sample.finish_reason == "abort" and 0 < made < LONG
+        assert sample.token_versions == [0] * made and len(sample.positions) == made
+    # Nothing of it runs on: both engines are free.
+    for engine in pool.engines:
+        assert ray.get(engine.get_num_unfinished_requests.remote(), timeout=30) == 0

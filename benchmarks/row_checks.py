@@ -1,0 +1,58 @@
+"""What a schedules benchmark run wrote, checked row by row: each token's
+weight version, and every (group, sample) written once. The rows' versions
+are those the engines reported (tasks/run/segments.py copies them: the CPU
+engine's per token, vLLM's per segment); this checks they fit the run:
+one per token, never decreasing, within the run's bound of the iteration,
+and listed in the row's `weight_versions`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.partial import CarryStore
+from tasks.run.shards import read_rows
+
+
+@dataclass(frozen=True)
+class RowChecks:
+    rows: int
+    #: Rows whose token versions do not fit (see the module's doc).
+    bad_versions: int
+    #: (group seed, sample) written more than once, or both written and carried.
+    duplicates: int
+    #: Iterations that do not hold batch x n rows.
+    short_iterations: int
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad_versions or self.duplicates or self.short_iterations)
+
+
+def check_rows(run_dir: Path, iterations: int, rows_per_iteration: int, bound: int) -> RowChecks:
+    """`bound`: iterations a row's oldest token may lag its iteration (0
+    under sync). Partial runs: no group both written and still carried."""
+    written: set[tuple[int, int, int | None]] = set()
+    bad = duplicates = short = count = 0
+    partial = (run_dir / "partial").is_dir()
+    for i in range(iterations):
+        rows = read_rows(run_dir / f"iter-{i:03d}")
+        count += len(rows)
+        short += len(rows) != rows_per_iteration
+        for row in rows:
+            # A partial row's group is its seed; a sync row's its iteration's prompt.
+            key = (row["seed"], row["sample_index"], None if partial else i)
+            duplicates += key in written
+            written.add(key)
+            versions = row["token_versions"]
+            bad += not (
+                len(versions) == len(row["response_token_ids"])
+                and versions == sorted(versions)
+                and (not versions or i - bound <= versions[0] <= versions[-1] <= i)
+                and set(versions) <= set(row["weight_versions"])
+                and row["weight_version"] == row["weight_versions"][0]
+            )
+    if partial:
+        carried = {g.seed for g in CarryStore(run_dir).load(iterations - 1)}
+        duplicates += len(carried & {seed for seed, _, _ in written})
+    return RowChecks(count, bad, duplicates, short)
