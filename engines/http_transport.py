@@ -3,9 +3,10 @@
 httpx's own pool (httpcore) walks every pooled connection on each request and
 asks each idle one whether its socket is readable; with the router's tens of
 sessions in flight that walk was the largest part of the router's CPU time a
-turn. aiohttp's connector hands out a connection from a per-host queue. The proxy keeps httpx's interface (its
-tests mount fake engines as httpx transports), so the errors it acts on are
-raised as httpx's, and the client's httpx timeouts apply per request.
+turn. aiohttp's connector hands out a connection from a per-host queue. The
+proxy keeps httpx's interface (its tests mount fake engines as httpx
+transports), so the errors it acts on are raised as httpx's, and the client's
+httpx timeouts apply per request.
 """
 
 from __future__ import annotations

@@ -245,9 +245,7 @@ def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | 
             report = get(sync, timeout_s)
             logger.info("replacement engine synced to weight version %d", report.version)
         router = plan.agent.router if plan.agent is not None else None
-        if replaced and router is not None:
-            # The agents' sessions reach the engines through the run's router:
-            # it must know the replacements (and forget the engines they replaced).
+        if replaced and router is not None:  # it must route to the replacements
             names = get(router.set_engines.remote(list(pool.engines), timeout_s), timeout_s)
             logger.info("the router routes to %s", names)
 

@@ -307,8 +307,7 @@ class WeightSync(EngineWeights):
                 verdict = self.probes.start(probe, version, previous)
         logger.info("engine %s: now serving weight version %d", self.name, version)
         probed = ProbeResult("skipped", note="no reference from the trainer")
-        if verdict is not None:
-            probed = await asyncio.shield(verdict)
+        probed = probed if verdict is None else await asyncio.shield(verdict)
         return Committed(self.name, version, session.nbytes, bool(checksums), probed)
 
     async def abort_weight_sync(self, reason: str = "aborted by the caller") -> Aborted:
