@@ -124,7 +124,9 @@ def test_the_tool_task_learns_colocated_on_one_gpu(ray_gpu, gpu_baseline, tmp_pa
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in TOOL_TASK.items()]
     run_flow_cli(
         ray_gpu, model, tmp_path, "--colocate", "--num-engines", "1",
-        "--max-len", "128", "--max-tokens", "8", *flags, timeout_s=300,
+        "--max-len", "128", "--max-tokens", "8", *flags,
+        # the CPU run's float32 (vLLM's "auto" loads a float32 checkpoint as bf16)
+        "--engine-kwargs", '{"dtype": "float32"}', timeout_s=300,
     )  # fmt: skip
 
     (run_dir,) = (tmp_path / "out").iterdir()
