@@ -225,10 +225,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=2048)
-    parser.add_argument("--tool-tokens", type=int, default=384)
+    parser.add_argument("--tool-tokens", type=int, default=192)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.set_defaults(max_len=8192)  # the system prompt and 8 turns of tool results
     args = parser.parse_args()
     if args.small:
         args.sessions, args.turns, args.system_tokens, args.tool_tokens = 4, 3, 256, 64
