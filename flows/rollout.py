@@ -52,7 +52,7 @@ from tasks.run.scope import RunScope
 from tasks.run.shards import prepare_run_dir, set_aside_iterations, write_atomically
 from tasks.train import wait_for_policy
 from training.config import PolicyConfig
-from training.policy import create_policy_actor
+from training.policy import create_policy_actor, engine_dtype
 from training.rewards import absolute, load_reward, start_reward_scorer
 
 SUMMARY_FILE = "summary.json"
@@ -341,6 +341,7 @@ def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConf
         sync_backend="nccl" if on_gpu else "gloo",
         max_staleness=params.training.staleness_bound,
         probe=params.training.weight_sync_probe,
+        sync_dtype=engine_dtype(model, backend, params.engines.engine_kwargs),
     )
 
 

@@ -36,6 +36,25 @@ def checkpoint_dtype(pretrain: str) -> str:
     return str(dtype or "float32").removeprefix("torch.")
 
 
+#: vLLM's spellings of the dtypes a sync can send.
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+           "float16": "float16", "half": "float16"}  # fmt: skip
+
+
+def engine_dtype(pretrain: str, backend: str, engine_kwargs: dict) -> str:
+    """The dtype the engines hold the weights in, which a sync must send: the
+    engine's `dtype` argument, else what "auto" loads. vLLM serves a float32
+    checkpoint in bf16 on GPUs (`_resolve_auto_dtype` in vllm/config/model.py);
+    the CPU engine keeps the checkpoint's."""
+    asked = str(engine_kwargs.get("dtype", "auto")).removeprefix("torch.")
+    if asked != "auto":
+        if asked not in _DTYPES:
+            raise ValueError(f"engine dtype {asked!r}: a sync sends one of {sorted(_DTYPES)}")
+        return _DTYPES[asked]
+    saved = checkpoint_dtype(pretrain)
+    return "bfloat16" if backend == "vllm" and saved == "float32" else saved
+
+
 class OffPolicyStats:
     """Per-token sums over a step's samples with behaviour logprobs: the
     train/inference mismatch and the importance weights."""

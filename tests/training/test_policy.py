@@ -7,7 +7,7 @@ import torch
 
 from training.config import PolicyConfig
 from training.grpo import token_logprobs
-from training.policy import OffPolicyStats, ReferencePolicy
+from training.policy import OffPolicyStats, ReferencePolicy, engine_dtype
 from training.rollouts import RolloutGroup, RolloutSample
 
 
@@ -144,3 +144,15 @@ def test_a_masked_stream_trains_as_its_sampled_tokens(tiny_model):
     assert report.trained_samples == 2
     assert report.logprob_mismatch < 1e-5
     assert report.staleness_max == 2
+
+
+def test_a_sync_sends_the_dtype_the_engines_hold(tiny_model):
+    """The tiny model is saved in float32: the CPU engine keeps it, vLLM's
+    "auto" serves it in bf16 (an H200 run's first sync was refused when the
+    policy sent float32); an engine's own dtype argument wins."""
+    assert engine_dtype(tiny_model, "hf", {}) == "float32"
+    assert engine_dtype(tiny_model, "vllm", {}) == "bfloat16"
+    assert engine_dtype(tiny_model, "vllm", {"dtype": "half"}) == "float16"
+    assert engine_dtype(tiny_model, "vllm", {"dtype": "float32"}) == "float32"
+    with pytest.raises(ValueError, match="'int8'"):
+        engine_dtype(tiny_model, "vllm", {"dtype": "int8"})
