@@ -45,7 +45,8 @@ class GenerationLoop:
         self._pending: list[Request] = []
         # Work run on this thread ahead of the next step (a sync's probe).
         self._jobs: list[tuple[Callable[[], Any], Future]] = []
-        self.running = 0  # requests in the batch running
+        self._batch: list[Request] = []  # the batch running
+        self.running = 0  # requests in it
         self.running_seqs = 0  # their sequences (n each)
         self._stepping = False  # the thread is inside a step (a forward pass and sampling)
         self._frozen = False  # pause "keep": park before the next step
@@ -77,8 +78,10 @@ class GenerationLoop:
         return future
 
     def unfinished(self) -> int:
+        """Requests queued or running, less those already answered: a caller
+        that has its (aborted) output never sees its request counted."""
         with self._cond:
-            return len(self._pending) + self.running
+            return len(self._pending) + sum(not r.answered for r in self._batch)
 
     def sequences(self) -> tuple[int, int]:
         """Sequences in the batch running, and queued for a later one."""
@@ -139,7 +142,7 @@ class GenerationLoop:
                     if self._jobs:
                         self._run_jobs()
                         continue
-                    batch = self._take_batch()
+                    batch = self._batch = self._take_batch()
                     self.running = len(batch)
                     self.running_seqs = sum(request.params.n for request in batch)
                     self._stepping = True
@@ -156,6 +159,7 @@ class GenerationLoop:
                 finally:
                     with self._cond:
                         self.running = self.running_seqs = 0
+                        self._batch = []
                         self._stepping = self._aborting = False
                         self._cond.notify_all()
         except BaseException as exc:

@@ -60,3 +60,35 @@ def test_a_job_runs_at_once_on_an_idle_or_frozen_thread_and_its_error_is_the_cal
         assert isinstance(error, ValueError) and loop.thread.is_alive()
     finally:
         loop.stop()
+
+
+def test_an_answered_request_is_not_counted_while_its_batch_winds_down():
+    """The batch answers a request (an aborted one) before it resets its
+    bookkeeping: a caller holding that answer must not see it as unfinished."""
+    answered, release = threading.Event(), threading.Event()
+
+    def run_batch(batch, next_step, answer):
+        answer(batch[0], "first")
+        answered.set()
+        release.wait(TIMEOUT_S)  # the thread has not left the batch yet
+        return [None for _ in batch]
+
+    async def scenario():
+        loop = GenerationLoop("e0", 4, run_batch)
+        here = asyncio.get_running_loop()
+        requests = [
+            SimpleNamespace(
+                params=SimpleNamespace(n=1), answered=False, loop=here, future=here.create_future()
+            )
+            for _ in range(2)
+        ]
+        loop.submit(requests)
+        assert await asyncio.wait_for(requests[0].future, TIMEOUT_S) == "first"
+        await asyncio.to_thread(answered.wait, TIMEOUT_S)
+        counted = loop.unfinished()
+        release.set()
+        await asyncio.wait_for(requests[1].future, TIMEOUT_S)
+        loop.stop()
+        return counted
+
+    assert asyncio.run(scenario()) == 1
