@@ -14,6 +14,10 @@ from __future__ import annotations
 import aiohttp
 import httpx
 
+#: An idle pooled connection is closed by us before the engine's server
+#: would close it (`engines.serving.KEEP_ALIVE_S`): never reused half-closed.
+KEEP_ALIVE_S = 30.0
+
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """Used from one event loop (its session is made there, on first use)."""
@@ -25,7 +29,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, keepalive_timeout=KEEP_ALIVE_S
+                ),
                 # The body as the engine sent it: httpx decodes it by its headers.
                 auto_decompress=False,
             )

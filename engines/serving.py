@@ -30,6 +30,11 @@ SCOPE_VERSIONS = "rolloutflow.weight_versions"
 #: How long the server has to bind, and to close its connections when stopped.
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+#: How long an idle client connection stays open. Longer than clients' pools
+#: keep one (the router's 30 s, httpx's 5 s): uvicorn's default 5 s let the
+#: router send a turn on a connection the engine was closing, and the turn
+#: failed with "Connection reset by peer" (`make run-agent`, iteration 5).
+KEEP_ALIVE_S = 75
 
 
 def error_body(message: str, status: int, param: str | None = None, kind: str | None = None):
@@ -206,6 +211,7 @@ class OpenAIServer:
             lifespan="off",
             log_level="warning",
             access_log=False,
+            timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=int(STOP_TIMEOUT_S),
         )
         server = _quiet_server()(config)

@@ -142,6 +142,10 @@ async def run_session(
             value = await asyncio.wait_for(agent(client, row), plan.timeout_s)
     except TimeoutError as exc:
         raise AgentError(f"{where} did not finish within {plan.timeout_s:g}s") from exc
+    except Exception as exc:
+        # Re-raised as ours: the flow gets it through Ray, which cannot rebuild
+        # every library's exception (openai's APIStatusError needs its response).
+        raise AgentError(f"{where} raised {exc!r}") from exc
     finally:
         taking = plan.router.take_trajectory.remote(session_id)
         samples = await asyncio.wait_for(taking, ROUTER_CALL_TIMEOUT_S)

@@ -107,3 +107,29 @@ def test_an_engine_that_never_answers_is_a_read_timeout():
 
     with pytest.raises(httpx.ReadTimeout):
         asyncio.run(main())
+
+
+def test_the_pool_closes_an_idle_connection_before_an_engines_server_would():
+    """Else the router may send a turn on a connection the engine is closing
+    ("Connection reset by peer": uvicorn's default 5 s was below aiohttp's 15 s)."""
+    from engines.serving import OpenAIServer
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def scenario() -> tuple[float, float]:
+        server = OpenAIServer("e0")
+        url = await server.start(app, "key", lambda: 0)
+        transport = AiohttpTransport(max_connections=8)
+        try:
+            async with httpx.AsyncClient(transport=transport) as http:
+                answer = await http.get(url + "/models", headers={"Authorization": "Bearer key"})
+                assert answer.status_code == 200
+                pool_keeps = transport._open().connector._keepalive_timeout
+        finally:
+            await server.stop()
+        return pool_keeps, server._server.config.timeout_keep_alive
+
+    pool_keeps, server_keeps = asyncio.run(scenario())
+    assert 0 < pool_keeps < server_keeps

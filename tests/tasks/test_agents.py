@@ -55,3 +55,35 @@ def test_results_come_as_agent_result_or_a_pair():
     assert as_result((1, {"turns": 2}), "x") == AgentResult(1.0, {"turns": 2})
     with pytest.raises(AgentError, match="agent f returned 0.5: expected AgentResult"):
         as_result(0.5, "agent f")
+
+
+def test_an_agents_error_reaches_the_flow_as_ours_naming_it():
+    """openai's status errors cannot be rebuilt by Ray (their constructor wants
+    the response): the flow got 'Failed to deserialize exception' instead."""
+    import asyncio
+    import pickle
+    from types import SimpleNamespace
+
+    import httpx
+    import openai
+
+    from tasks.agents import AgentPlan, run_session
+
+    async def agent(client, row):
+        request = httpx.Request("POST", "http://router/v1/chat/completions")
+        raise openai.InternalServerError(
+            "no engine served the request",
+            response=httpx.Response(503, request=request),
+            body=None,
+        )
+
+    async def taken():
+        return []
+
+    router = SimpleNamespace(take_trajectory=SimpleNamespace(remote=lambda session: taken()))
+    plan = AgentPlan("my:agent", None, 5.0, router_url="http://router", api_key="k", router=router)
+    with pytest.raises(AgentError) as raised:
+        asyncio.run(run_session(agent, plan, {"prompt": "?"}, "s0"))
+    again = pickle.loads(pickle.dumps(raised.value))
+    assert "agent my:agent on session s0 raised InternalServerError" in str(again)
+    assert "no engine served the request" in str(again)
