@@ -7,11 +7,16 @@ tool by writing the call mark `@` in its reply (the shortest tool-call text a
 byte-level model can find by chance); the agent runs the tool and sends its
 result as an environment message (role "tool": the answer letter repeated),
 and the model answers. A reply without the call mark is the answer itself
-(a guess: the question does not tell). Reward: the rest after `CALL_BONUS`
-times the fraction of the answer's characters that are the right letter
-(call marks left out), plus `CALL_BONUS` when the model called the tool.
-Guessing scores 0.4 at best, calling then answering 1.0; the guess's score
-is what first teaches the model to answer with a letter at all.
+(a guess: the question does not tell). Reward: the fraction of the answer's
+characters that are the right letter (whitespace left out; a call mark in
+the answer counts against it), times `GUESS_WEIGHT` for a guess, and for an
+answer after the tool `CALL_BONUS` plus the rest times that fraction.
+Guessing scores 0.25 on average at best, calling then always answering one
+letter 0.6, calling then reading the result 1.0. The guess's score is what
+first teaches the model to answer with a letter at all; were it worth as
+much as an answer after the tool (0.8), always guessing one letter (0.4 on
+average) beat calling, and runs settled there; with call marks left out of
+the answer's score, runs settled on calling and answering "@@@@" (0.2).
 
 The agent reads the call from the reply's text itself, so the task needs no
 tool-call parser in the engine; the tool message carries a `tool_call_id`
@@ -35,6 +40,8 @@ QUESTION = "?"
 CALL_MARK = "@"
 #: The part of the reward for calling the tool: the first thing to learn.
 CALL_BONUS = 0.2
+#: What a guess's score is worth: below an answer after the tool.
+GUESS_WEIGHT = 0.5
 #: How often the tool's result repeats the answer: the tiny model learns to
 #: read a long one (8 letters among the template's text were not learned in
 #: 8 iterations; 32 were, measured with the agent forced to call).
@@ -68,9 +75,9 @@ def calls_tool(reply: str) -> bool:
 
 
 def score_answer(reply: str, answer: str) -> float:
-    """The fraction of the reply's characters (call marks and whitespace
-    left out) that are the answer."""
-    text = "".join(reply.replace(CALL_MARK, "").split())
+    """The fraction of the reply's characters (whitespace left out) that
+    are the answer."""
+    text = "".join(reply.split())
     return sum(ch == answer for ch in text) / len(text) if text else 0.0
 
 
@@ -88,7 +95,7 @@ async def agent(client: Any, row: dict[str, Any]) -> AgentResult:
     if not calls_tool(first):
         score = score_answer(first, answer)
         return AgentResult(
-            (1.0 - CALL_BONUS) * score,
+            GUESS_WEIGHT * score,
             {"called_tool": False, "answer": first, "answer_score": score},
         )
     messages = [

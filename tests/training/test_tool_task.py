@@ -48,10 +48,13 @@ def test_a_call_gets_the_tool_result_as_an_environment_message():
 
 def test_a_guess_scores_less_than_a_right_answer_after_the_tool():
     result, client = run(["aaaa"])
-    assert result.reward == 1 - tool_task.CALL_BONUS and len(client.requests) == 1
+    assert result.reward == tool_task.GUESS_WEIGHT and len(client.requests) == 1
     assert not result.info["called_tool"]
     assert run(["bb"])[0].reward == 0.0
-    assert run(["@", "@b b"], answer="b")[0].reward == 1.0
+    assert run(["@", "b b"], answer="b")[0].reward == 1.0
+    # A call mark is no answer: "@@@@" after the tool scores the call alone.
+    assert run(["@", "@@@@"])[0].reward == tool_task.CALL_BONUS
+    assert run(["@", "@b@b"], answer="b")[0].reward == tool_task.CALL_BONUS + 0.8 / 2
 
 
 def test_the_dataset_alternates_its_answers(tmp_path):
