@@ -18,6 +18,7 @@ from engines.config import EngineConfig
 from engines.errors import (
     EngineDeadError,
     EngineSleepingError,
+    EngineStaleError,
     PromptTooLongError,
     RequestError,
 )
@@ -367,9 +368,12 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
                 f"engine {self.config.name} is asleep ({sorted(self._asleep)}); call wake_up first"
             )
         if self.stale:
-            raise RequestError(
+            # An engine failure, not a bad request: the caller's work goes to
+            # another engine (or this one once resynced or replaced).
+            raise EngineStaleError(
                 f"engine {self.config.name} holds stale weights after a failed sync "
-                f"(version {self.weight_version}); resync before sending work"
+                f"(version {self.weight_version}); resync before sending work",
+                engine=self.config.name,
             )
 
     def base_health(self) -> dict[str, Any]:

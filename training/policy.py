@@ -44,8 +44,9 @@ _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
 def engine_dtype(pretrain: str, backend: str, engine_kwargs: dict) -> str:
     """The dtype the engines hold the weights in, which a sync must send: the
     engine's `dtype` argument, else what "auto" loads. vLLM serves a float32
-    checkpoint in bf16 on GPUs (`_resolve_auto_dtype` in vllm/config/model.py);
-    the CPU engine keeps the checkpoint's."""
+    checkpoint in bf16 on Ampere and newer (`_resolve_auto_dtype` in
+    vllm/config/model.py; older GPUs get fp16: pass `dtype` there); the CPU
+    engine keeps the checkpoint's."""
     asked = str(engine_kwargs.get("dtype", "auto")).removeprefix("torch.")
     if asked != "auto":
         if asked not in _DTYPES:

@@ -34,7 +34,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from engines.admission import Admission, Ticket, released
-from engines.errors import EngineSpecError, EngineStaleError
+from engines.errors import EngineSpecError, EngineStaleError, RequestError
 from engines.serving import error_body, record_versions, send_json
 
 if TYPE_CHECKING:
@@ -124,7 +124,12 @@ class AdmittedClient:
     ) -> AsyncGenerator[Any, None]:
         # Not held here: `TokenVersions` holds each of the HTTP request's sends.
         async with self._admission.request(hold=False) as ticket:
-            self._check()  # refused as a Ray call is (HTTP 400)
+            try:
+                self._check()
+            except EngineStaleError as exc:
+                # vLLM's app answers a ValueError with a 400 naming it, any
+                # other error with a bare 500.
+                raise RequestError(str(exc)) from None
             generation.ticket = ticket
             self._live.add(generation)
             try:

@@ -171,7 +171,8 @@ class LoraSender:
             wake_after=["kv_cache"] if wake else None,
         )
         self._mapped = self.via == "cuda_ipc"
-        stamps = ("actor_in_at", "worker_in_at", "loaded_at", "actor_out_at")
+        # Moments compare clocks: only colocated engines (CUDA IPC) share the trainer's.
+        stamps = ("actor_in_at", "worker_in_at", "loaded_at", "actor_out_at") if wake else ()
         phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s", *stamps)
         phases.done("transfer")
         if not received[0].committed:

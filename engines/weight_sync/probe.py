@@ -127,7 +127,15 @@ async def check(host: Any, probe: ProbeReference, what: str) -> ProbeResult:
     """Run the probe on the engine `host` (its `probe_logprobs`), compare with
     the trainer's; raise `ProbeMismatchError` naming both beyond tolerance."""
     started = time.monotonic()
-    got = await host.probe_logprobs(list(probe.token_ids))
+    try:
+        got = await host.probe_logprobs(list(probe.token_ids))
+    except TimeoutError:
+        # No evidence against the weights: on vLLM the probe waits behind the
+        # requests a "keep" pause preempted (re-prefilled first), and marking
+        # a sound engine stale would refuse all of them.
+        seconds = time.monotonic() - started
+        logger.warning("%s: the probe had no answer in %.1fs; not checked", what, seconds)
+        return ProbeResult("skipped", seconds, note=f"no answer in {seconds:.1f}s")
     seconds = time.monotonic() - started
     if got is None:
         return ProbeResult("skipped", seconds, note="the engine cannot run a request now")
@@ -183,10 +191,19 @@ class ProbeRuns:
         self.host, self.name = host, name
         self._last: asyncio.Task | None = None
 
-    def start(self, probe: ProbeReference, version: int, previous: int) -> asyncio.Task:
-        """Run the probe of `version`, just committed over `previous`, with
-        the door open: started as it opens, it enters the engine with the
-        first calls let in and shares their batch."""
+    async def resume(self, probe: ProbeReference, version: int, previous: int) -> asyncio.Task:
+        """Resume the engine on `version`, just committed over `previous`,
+        its outputs held from before the door opens (frozen requests' too),
+        and start the probe: started as the door opens, it enters the engine
+        with the first calls let in and shares their batch. A resume that
+        fails starts no probe: the held calls fail at once instead of
+        waiting on a verdict for ever."""
+        self.host.hold_outputs()
+        try:
+            await self.host.resume_generation()
+        except BaseException as exc:
+            self._refuse(version, previous, f"resuming failed ({exc!r}); its probe did not run")
+            raise
         self._last = asyncio.ensure_future(self._judge(probe, version, previous))
         return self._last
 
@@ -197,19 +214,10 @@ class ProbeRuns:
             await asyncio.wait([self._last])
 
     async def _judge(self, probe: ProbeReference, version: int, previous: int) -> ProbeResult:
-        host = self.host
         try:
-            result = await check(host, probe, f"engine {self.name}, version {version}")
+            result = await check(self.host, probe, f"engine {self.name}, version {version}")
         except BaseException as exc:
-            # Before anything else runs: no call is let in on these weights.
-            host.stale, host.weight_version = True, previous
-            host.release_outputs(
-                EngineStaleError(
-                    f"engine {self.name}: nothing computed on weight version {version} is "
-                    f"served, its probe failed: {exc}",
-                    engine=self.name,
-                )
-            )
+            self._refuse(version, previous, f"its probe failed: {exc}")
             logger.error(
                 "engine %s: weight version %d failed its probe (%s) - STALE, resync needed",
                 self.name,
@@ -217,5 +225,17 @@ class ProbeRuns:
                 exc,
             )
             raise
-        host.release_outputs(None)
+        self.host.release_outputs(None)
         return result
+
+    def _refuse(self, version: int, previous: int, why: str) -> None:
+        """Before anything else runs: the engine stale, back at `previous`,
+        and no call let in on `version`'s weights (the held ones fail)."""
+        self.host.stale, self.host.weight_version = True, previous
+        self.host.release_outputs(
+            EngineStaleError(
+                f"engine {self.name}: nothing computed on weight version {version} is "
+                f"served, {why}",
+                engine=self.name,
+            )
+        )

@@ -300,11 +300,10 @@ class WeightSync(EngineWeights):
             await host.reset_prefix_cache()
             previous, host.weight_version = host.weight_version, version
             host.stale = False
-            if probe is not None:
-                host.hold_outputs()  # before the door opens: frozen requests are held too
-            await host.resume_generation()
-            if probe is not None:
-                verdict = self.probes.start(probe, version, previous)
+            if probe is None:
+                await host.resume_generation()
+            else:
+                verdict = await self.probes.resume(probe, version, previous)
         logger.info("engine %s: now serving weight version %d", self.name, version)
         probed = ProbeResult("skipped", note="no reference from the trainer")
         probed = probed if verdict is None else await asyncio.shield(verdict)

@@ -17,7 +17,6 @@ from policy_probes import ProbedPolicy
 
 from engines import (
     EngineStaleError,
-    RequestError,
     SamplingParams,
     create_vllm_engines,
     destroy_engines,
@@ -146,9 +145,11 @@ def corrupt_bucket(monkeypatch, index: int, bit: int) -> list[int]:
 
 
 def served(engine) -> bool:
+    """False: refused as a stale engine (an engine failure: the work goes elsewhere)."""
     try:
         get(engine.generate.remote([5, 6, 7], SamplingParams(max_tokens=2)), 30)
-    except RequestError:
+    except EngineStaleError as exc:
+        assert "holds stale weights" in str(exc)
         return False
     return True
 
@@ -225,3 +226,15 @@ def test_a_sync_without_a_reference_reports_the_probe_skipped(setup, tmp_path):
     path = policy.save_checkpoint(str(tmp_path / "v"))
     report = sync_from_checkpoint(engines, path)
     assert report.probe.status == "skipped" and "no reference" in report.probe.note
+
+
+def test_a_probe_without_an_answer_in_time_is_skipped_not_a_failure():
+    """No evidence against the weights (vLLM queues the probe behind the
+    requests a pause preempted): the engine is not marked stale for it."""
+
+    class Slow(Host):
+        async def probe_logprobs(self, token_ids):
+            raise TimeoutError
+
+    result = asyncio.run(check(Slow(None), REFERENCE, "engine e, version 3"))
+    assert result.status == "skipped" and result.note.startswith("no answer in")

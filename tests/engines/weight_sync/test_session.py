@@ -298,3 +298,35 @@ def test_a_probe_mismatch_fails_the_held_calls_and_serves_none(new_weights):
     assert "its probe failed" in str(answers[0]) and "engine -7.5000" in str(answers[0])
     # Stale, at the version it served before: a failed sync never moves it on.
     assert (engine.weight_version, engine.stale) == (0, True)
+
+
+def test_a_resume_failing_after_the_commit_fails_the_held_calls_instead_of_hanging(new_weights):
+    """Outputs are held before the door opens; a resume that raises (vLLM's
+    core dead at the thaw, a cancelled finish) starts no probe to settle
+    them: the calls inside must fail, not wait on a verdict for ever."""
+    path, _ = new_weights
+    engine = ProbedEngine(model(0), [-1.0, -2.0, -3.0])
+
+    async def thaw_fails() -> None:
+        raise RuntimeError("engine core died at the thaw")
+
+    engine.resume_generation = thaw_fails
+
+    async def scenario():
+        done = asyncio.Event()
+        inside = asyncio.create_task(engine.generate("inside", done))
+        async with asyncio.timeout(10):
+            while "inside in" not in engine.events:
+                await asyncio.sleep(0)
+        await engine.begin_weight_sync(1)
+        await engine.load_weights_from_path(path)
+        with pytest.raises(RuntimeError, match="died at the thaw"):
+            await engine.finish_weight_sync(1, probe=REFERENCE)
+        done.set()
+        async with asyncio.timeout(10):
+            return await asyncio.gather(inside, return_exceptions=True)
+
+    (answer,) = run(scenario())
+    assert isinstance(answer, EngineStaleError), answer
+    assert "its probe did not run" in str(answer) and "died at the thaw" in str(answer)
+    assert (engine.weight_version, engine.stale) == (0, True)

@@ -21,7 +21,7 @@ from policy_probes import create_probed_policy
 from test_group import listening_addresses
 
 from engines import (
-    RequestError,
+    EngineStaleError,
     SamplingParams,
     create_vllm_engines,
     destroy_engines,
@@ -305,7 +305,7 @@ def test_openrlhf_trainer_killed_mid_sync_leaves_engines_stale(setup, tiny_model
     # Five parameters of the new weights are in: the engines refuse work
     # rather than serve the mix.
     assert all(s["stale"] for s in states)
-    with pytest.raises(RequestError, match="stale weights"):
+    with pytest.raises(EngineStaleError, match="stale weights"):
         get(engines[0].generate.remote([1, 2, 3], SamplingParams(max_tokens=2)), 30)
 
     # The engines left the policy's group for the outside trainer's (now
