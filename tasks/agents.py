@@ -137,18 +137,28 @@ async def run_session(
         max_retries=0,
     )
     where = f"agent {plan.agent} on session {session_id}"
+    failure: AgentError | None = None
     try:
         async with client:
             value = await asyncio.wait_for(agent(client, row), plan.timeout_s)
     except TimeoutError as exc:
-        raise AgentError(f"{where} did not finish within {plan.timeout_s:g}s") from exc
+        failure = AgentError(f"{where} did not finish within {plan.timeout_s:g}s")
+        failure.__cause__ = exc
     except Exception as exc:
-        # Re-raised as ours: the flow gets it through Ray, which cannot rebuild
-        # every library's exception (openai's APIStatusError needs its response).
-        raise AgentError(f"{where} raised {exc!r}") from exc
-    finally:
-        taking = plan.router.take_trajectory.remote(session_id)
+        # Ours: the flow gets it through Ray, which cannot rebuild every
+        # library's exception (openai's APIStatusError needs its response).
+        failure = AgentError(f"{where} raised {exc!r}")
+        failure.__cause__ = exc
+    # Taken either way (the router forgets the session); a failed agent's
+    # error wins over the router's (a session that never sent a turn).
+    taking = plan.router.take_trajectory.remote(session_id)
+    try:
         samples = await asyncio.wait_for(taking, ROUTER_CALL_TIMEOUT_S)
+    except Exception:
+        if failure is None:
+            raise
+    if failure is not None:
+        raise failure
     result = as_result(value, where)
     return AgentSession(session_id, list(samples), result.reward, result.info)
 

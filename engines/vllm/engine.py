@@ -340,6 +340,8 @@ class VLLMEngine(RolloutEngine):
         output = await asyncio.wait_for(
             self._one(list(token_ids), params), self.config.rpc_timeout_s
         )
+        if output.prompt_logprobs is None:  # aborted before its prefill (a pause "abort")
+            return None
         # Position 0 has no logprob; each other holds its own token's.
         positions = output.prompt_logprobs[1:]
         return [p[t].logprob for p, t in zip(positions, token_ids[1:], strict=True)]

@@ -197,6 +197,12 @@ class SegmentRunner:
         engines = [self.pool.engines[e] for e in self.pool.live()]
         get([e.pause_generation.remote(mode="abort") for e in engines], self.abort_timeout_s)
         get([e.resume_generation.remote() for e in engines], self.abort_timeout_s)
+        # The engines answered: their aborted segments are due now. A segment
+        # kept running through a policy step may be past its send-time
+        # deadline without any hang, and its tokens must not be dropped.
+        due = time.monotonic() + self.abort_timeout_s
+        for flight in self.flights.values():
+            flight.deadline = due
 
     def lose_engine(self, failed: Segment, error: EngineFailure) -> None:
         """The engine of `failed` is gone (or hung): its segments are sent

@@ -59,7 +59,8 @@ def test_results_come_as_agent_result_or_a_pair():
 
 def test_an_agents_error_reaches_the_flow_as_ours_naming_it():
     """openai's status errors cannot be rebuilt by Ray (their constructor wants
-    the response): the flow got 'Failed to deserialize exception' instead."""
+    the response): the flow got 'Failed to deserialize exception' instead.
+    And the agent's error wins over the router's about a session with no turn."""
     import asyncio
     import pickle
     from types import SimpleNamespace
@@ -77,8 +78,8 @@ def test_an_agents_error_reaches_the_flow_as_ours_naming_it():
             body=None,
         )
 
-    async def taken():
-        return []
+    async def taken():  # the router never saw a turn of the session
+        raise KeyError("no session 's0' (never seen, or already taken)")
 
     router = SimpleNamespace(take_trajectory=SimpleNamespace(remote=lambda session: taken()))
     plan = AgentPlan("my:agent", None, 5.0, router_url="http://router", api_key="k", router=router)

@@ -172,3 +172,23 @@ def test_the_probe_reads_each_prompt_tokens_logprob_from_one_request(engine, mon
     engine._admission._frozen = True
     assert asyncio.run(engine.probe_logprobs([3, 4, 6])) is None
     assert len(sent) == 1
+
+
+def test_a_probe_aborted_before_its_prefill_is_skipped(engine, monkeypatch):
+    """A pause in "abort" mode can end the probe's request before vLLM ran
+    its prefill: no prompt logprobs, so nothing to judge the weights by."""
+    from engines.admission import Admission
+    from engines.outputs import RequestOutput
+
+    async def aborted(prompt, params):
+        return RequestOutput("r", prompt, [], 0, "e0", prompt_logprobs=None)
+
+    api = SimpleNamespace(
+        vllm=SimpleNamespace(SamplingParams=SimpleNamespace),
+        RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"),
+    )
+    monkeypatch.setattr(vllm_engine, "vllm_api", lambda: api)
+    monkeypatch.setattr(engine, "_one", aborted)
+    engine._asleep = set()
+    engine._admission = Admission(freeze=None, thaw=None, abort=None, version=lambda: 0)
+    assert asyncio.run(engine.probe_logprobs([3, 4, 6])) is None

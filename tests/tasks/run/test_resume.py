@@ -159,3 +159,18 @@ def test_kept_running_the_rest_generates_until_finish_then_stops_with_its_tokens
     # Nothing of it runs on: both engines are free.
     for engine in pool.engines:
         assert ray.get(engine.get_num_unfinished_requests.remote(), timeout=30) == 0
+
+
+def test_kept_running_past_the_request_deadline_still_stops_with_its_tokens(pool):
+    """The rest may keep running through a long policy step, past the
+    deadline its requests were sent with: stopping it then is no hang, and
+    no engine is lost or token dropped."""
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    for flight in kept.flights.values():
+        flight.deadline = 0.0  # as after a policy step longer than timeout_s
+    kept.finish()
+    assert not pool.failed and kept.counts.aborted == 2
+    for sample in long_group.samples:
+        assert sample.finish_reason == "abort" and 0 < len(sample.token_ids) < LONG
