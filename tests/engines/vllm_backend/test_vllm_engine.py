@@ -137,17 +137,9 @@ def test_a_lora_engine_asks_vllm_for_lora_of_its_rank():
     assert args.max_cpu_loras == 3  # the served adapter stays while the next loads
 
 
-def test_the_probe_reads_each_prompt_tokens_logprob_from_one_request(engine, monkeypatch):
+def probing(engine, monkeypatch, one) -> None:
+    """`engine` awake and open, its probe request answered by `one(prompt, params)`."""
     from engines.admission import Admission
-    from engines.outputs import Logprob, RequestOutput
-
-    sent = []
-
-    async def one(prompt, params):
-        sent.append((prompt, params))
-        # vLLM's prompt logprobs: none for the first token, then the token's own.
-        rows = [None] + [{t: Logprob(-0.5 * t), 99: Logprob(-9.0)} for t in prompt[1:]]
-        return RequestOutput("r", prompt, [], 0, "e0", prompt_logprobs=rows)
 
     class Params(SimpleNamespace):
         output_kind = None
@@ -160,6 +152,20 @@ def test_the_probe_reads_each_prompt_tokens_logprob_from_one_request(engine, mon
     monkeypatch.setattr(engine, "_one", one)
     engine._asleep = set()
     engine._admission = Admission(freeze=None, thaw=None, abort=None, version=lambda: 0)
+
+
+def test_the_probe_reads_each_prompt_tokens_logprob_from_one_request(engine, monkeypatch):
+    from engines.outputs import Logprob, RequestOutput
+
+    sent = []
+
+    async def one(prompt, params):
+        sent.append((prompt, params))
+        # vLLM's prompt logprobs: none for the first token, then the token's own.
+        rows = [None] + [{t: Logprob(-0.5 * t), 99: Logprob(-9.0)} for t in prompt[1:]]
+        return RequestOutput("r", prompt, [], 0, "e0", prompt_logprobs=rows)
+
+    probing(engine, monkeypatch, one)
     assert asyncio.run(engine.probe_logprobs([3, 4, 6])) == [-2.0, -3.0]
     ((_, params),) = sent
     assert params.max_tokens == 1 and params.prompt_logprobs == 0 and params.temperature == 0.0
@@ -177,18 +183,10 @@ def test_the_probe_reads_each_prompt_tokens_logprob_from_one_request(engine, mon
 def test_a_probe_aborted_before_its_prefill_is_skipped(engine, monkeypatch):
     """A pause in "abort" mode can end the probe's request before vLLM ran
     its prefill: no prompt logprobs, so nothing to judge the weights by."""
-    from engines.admission import Admission
     from engines.outputs import RequestOutput
 
     async def aborted(prompt, params):
         return RequestOutput("r", prompt, [], 0, "e0", prompt_logprobs=None)
 
-    api = SimpleNamespace(
-        vllm=SimpleNamespace(SamplingParams=SimpleNamespace),
-        RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"),
-    )
-    monkeypatch.setattr(vllm_engine, "vllm_api", lambda: api)
-    monkeypatch.setattr(engine, "_one", aborted)
-    engine._asleep = set()
-    engine._admission = Admission(freeze=None, thaw=None, abort=None, version=lambda: 0)
+    probing(engine, monkeypatch, aborted)
     assert asyncio.run(engine.probe_logprobs([3, 4, 6])) is None
