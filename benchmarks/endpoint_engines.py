@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 #: The GPU suite's model: a random Llama of 0.28B parameters, byte-level vocabulary.
@@ -26,6 +27,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--small", action="store_true", help="a small run (CPU, CI boxes)")
     parser.add_argument("--model", help="default: the tiny model (hf) or a built 0.28B one (vllm)")
+    parser.add_argument(
+        "--shape",
+        choices=("0.28b", "8b"),
+        default="0.28b",
+        help="vllm: the built model's shape; 8b is Llama-3-8B's layers with vLLM's dummy "
+        "weights (a model whose GPU work per token is a real one's)",
+    )
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
     parser.add_argument("--json", help="also write the figures here")
@@ -41,10 +49,17 @@ def model_path(args) -> str:
         from engines.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
-    from engines.tiny_model import build_tiny_model
+    path = os.path.join(tempfile.gettempdir(), f"bench-llama-{args.shape}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if args.shape == "8b":
+        from gpu_bench_sync import LLAMA_8B, build_sparse_model
 
-    path = os.path.join(tempfile.gettempdir(), "bench-llama-0.28b")
-    if not os.path.exists(os.path.join(path, "config.json")):
+        # The byte-level vocabulary of the tiny models, so every sampled id decodes.
+        build_sparse_model(Path(path), {**LLAMA_8B, "vocab_size": 320})
+    else:
+        from engines.tiny_model import build_tiny_model
+
         build_tiny_model(path, **MODEL_SHAPE)
     return path
 
@@ -96,6 +111,8 @@ def serve(args, count: int, *, prefix_caching: bool, name: str) -> Served:
             shared_pg=pg,
             enforce_eager=args.eager,
         )
+        if args.shape == "8b" and not args.model:
+            kwargs["load_format"] = "dummy"  # its checkpoint is all zeros (a sparse file)
     start = time.monotonic()
     engines = create_vllm_engines(
         num_engines=count,
