@@ -110,9 +110,11 @@ def test_iteration_0_generates_while_the_policy_cannot_start(ray_local, tiny_mod
     """The policy starts beside the engines, and iteration 0's generation
     does not wait for it: every CPU but the engine's is held until
     iteration 0's rollouts are written, so the policy cannot start before."""
+    # Earlier tests' actors free their CPUs as their processes exit: over 60 s
+    # on a loaded 2-core box (fresh-clone CI of 7f9faa3).
     wait_until(
         lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
-        60,
+        180,
         "the CPUs of earlier tests' actors",
     )
     holder = CPUHolder.options(num_cpus=ray.cluster_resources()["CPU"] - 1).remote()
