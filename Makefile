@@ -44,7 +44,7 @@ run: $(RUN_STAMP)
 
 # The tool task (docs/agents.md): an agent calls a tool through the engines' OpenAI API.
 run-agent: $(RUN_STAMP)
-	$(BIN)/rolloutflow --agent training.tool_task:agent --prompts-path data/tool_task.jsonl \
+	$(BIN)/rolloutflow --agent agents.tool_task:agent --prompts-path data/tool_task.jsonl \
 		--label-field answer --id-field id $(ARGS)
 
 # ruff comes with the dev extra.

@@ -161,7 +161,7 @@ def uncached_model(lengths: list[list[tuple[int, int]]], shared: int) -> dict[st
 def run(args) -> list[Replay]:
     import ray
 
-    from engines.router import start_router
+    from agents.router.actor import start_router
 
     served = serve(args, ENGINES, prefix_caching=True, name="agent-replay")
     runs: list[Replay] = []

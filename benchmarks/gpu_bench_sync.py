@@ -104,7 +104,7 @@ class SyncPeer:
     def __init__(self, model_dir: str):
         import torch
 
-        from engines.weight_sync import checkpoint
+        from engines.weight_sync.transports import checkpoint
 
         self.device = torch.device("cuda", torch.cuda.current_device())
         generator = torch.Generator(self.device).manual_seed(0)
@@ -207,7 +207,7 @@ class SyncPeer:
         adds on each side per bucket)."""
         import torch
 
-        from engines.weight_sync.checksum import device_sums
+        from engines.weight_sync.formats.checksum import device_sums
 
         data = torch.empty(1 << 30, dtype=torch.uint8, device=self.device)
         best = float("inf")

@@ -1,6 +1,6 @@
 """What a schedules benchmark run wrote, checked row by row: each token's
 weight version, and every (group, sample) written once. The rows' versions
-are those the engines reported (tasks/run/segments.py copies them: the CPU
+are those the engines reported (tasks/partial/segments.py copies them: the CPU
 engine's per token, vLLM's per segment); this checks they fit the run:
 one per token, never decreasing, within the run's bound of the iteration,
 and listed in the row's `weight_versions`."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.partial import CarryStore
+from tasks.partial.task import CarryStore
 from tasks.run.shards import read_rows
 
 

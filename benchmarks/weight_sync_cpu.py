@@ -64,8 +64,8 @@ def main() -> None:
     from engines.client import call_engines, raise_first_error
     from engines.tiny_model import build_tiny_model
     from engines.weight_sync import BroadcastSender, Manifest, SyncConfig
-    from engines.weight_sync.buckets import plan_buckets
-    from engines.weight_sync.checkpoint import iter_tensors
+    from engines.weight_sync.formats.buckets import plan_buckets
+    from engines.weight_sync.transports.checkpoint import iter_tensors
 
     torch.set_num_threads(1)
     model_dir = build_tiny_model(

@@ -23,7 +23,7 @@ from engines.errors import (  # noqa: E402
     PromptTooLongError,
     RequestError,
 )
-from engines.lifecycle import (  # noqa: E402
+from engines.lifecycle.engine_set import (  # noqa: E402
     EngineSet,
     destroy_engines,
     replace_engine,
@@ -31,12 +31,12 @@ from engines.lifecycle import (  # noqa: E402
     restart_engine,
     start_engine_set,
 )
-from engines.openrlhf import batch_vllm_engine_call, create_vllm_engines  # noqa: E402
+from engines.lifecycle.placement import Placement, PlacementMode, check_cluster_fits  # noqa: E402
+from engines.lifecycle.spares import swap_in_spare  # noqa: E402
+from engines.lifecycle.spec import EngineSetSpec  # noqa: E402
+from engines.openrlhf.vllm_engine import batch_vllm_engine_call, create_vllm_engines  # noqa: E402
 from engines.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from engines.placement import Placement, PlacementMode, check_cluster_fits  # noqa: E402
 from engines.sampling import SamplingParams  # noqa: E402
-from engines.spares import swap_in_spare  # noqa: E402
-from engines.spec import EngineSetSpec  # noqa: E402
 
 __all__ = [
     "BackendUnavailableError",

@@ -23,7 +23,7 @@ from engines.errors import (
     RequestError,
 )
 from engines.load import EngineLoad
-from engines.openrlhf_agents import AgentApi
+from engines.openrlhf.agents import AgentApi
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.serving import OpenAIServer

@@ -2,7 +2,7 @@
 declared once), and the configuration one engine actor is built from
 (`EngineConfig`: plain data, crosses Ray).
 
-The engine-set spec (`engines.spec.EngineSetSpec`) is `EngineSettings` plus
+The engine-set spec (`engines.lifecycle.spec.EngineSetSpec`) is `EngineSettings` plus
 what concerns the set; each engine's config is the same settings plus what
 concerns that engine, passed on as a whole (`EngineSettings.settings`). A new
 engine knob is one field here, read by the backend.

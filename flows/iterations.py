@@ -14,14 +14,14 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.futures import PrefectConcurrentFuture
 
+from agents.runner import AgentPlan
 from engines.errors import EngineFailure
 from engines.weight_sync import SyncReport
 from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
-from tasks.agents import AgentPlan
 from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
-from tasks.partial import LeftRunning, PartialPlan, generate_partial_rollouts, in_flight_groups
+from tasks.partial.task import LeftRunning, PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
@@ -89,7 +89,7 @@ def run_iterations(
     `policy_up`: on an on-policy run, the future of the policy's start-up
     (its handle). Generation does not wait for it; training waits, and the
     first sync connects the policy to the engines. `agent`: an agent run's
-    sessions (tasks/agents.py). Returns the seconds nothing ran but the
+    sessions (agents/runner.py). Returns the seconds nothing ran but the
     policy's start (start-up, as the engines')."""
     training = params.training
     on_policy = policy_up is not None

@@ -206,7 +206,7 @@ class TrainingParams(BaseModel):
         "agent(client: openai.AsyncOpenAI, row: dict) -> AgentResult (or (reward, info)). "
         "Each of a prompt's n samples is a session of its own on the run's router; the "
         "engines serve the OpenAI API. Its reward replaces --reward.",
-        examples=["training.tool_task:agent"],
+        examples=["agents.tool_task:agent"],
     )
     agent_func_path: str | None = Field(
         None,

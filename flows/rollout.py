@@ -19,12 +19,12 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic.json_schema import SkipJsonSchema
 
+from agents.runner import AgentPlan, check_func_path, load_agent
 from engines import EngineSetSpec, Placement, PlacementMode
 from engines.weight_sync import transport_for
 from flows.hooks import sweep_engines
 from flows.iterations import Ledger, run_iterations
 from flows.params import RolloutParams
-from tasks.agents import AgentPlan, check_func_path, load_agent
 from tasks.cluster import Cluster, provision_cluster
 from tasks.engines import (
     EarlyEngines,
@@ -132,7 +132,7 @@ class SideActors:
     policy: Any = None
     policy_up: Any = None
     scorer: Any = None
-    #: An agent run's router in front of the engines (engines/router.py).
+    #: An agent run's router in front of the engines (agents/router/actor.py).
     router: Any = None
 
     def agent_plan(self, pool: EnginePool) -> AgentPlan | None:
@@ -153,7 +153,7 @@ class SideActors:
         )
         if training.agent:
             # Imported here: only agent runs serve HTTP (fastapi, uvicorn).
-            from engines.router import start_router
+            from agents.router.actor import start_router
 
             api_key = pool.engines.api_key
             self.router = start_router(list(pool.engines), api_key, routing="sticky")

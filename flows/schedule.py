@@ -19,7 +19,7 @@ policy) and a weight sync (both). With S the staleness bound (0 for `sync`):
   and continue on the new weights; their rows record both versions).
 
 `partial` runs as `sync` does (its bound is how long a partial rollout may
-wait, tasks/partial.py, not a lag between generation and sync); the groups
+wait, tasks/partial/task.py, not a lag between generation and sync); the groups
 a step does not take may go on generating under it, until the sync.
 
 The policy actor runs one method at a time, so a sync and a training step

@@ -23,17 +23,17 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from agents.runner import AgentPlan
 from engines import SamplingParams
 from engines.client import get
-from tasks.agents import AgentPlan
 from tasks.engines import retry_on_engine_failure, wait_ready
+from tasks.partial.segments import record_sampling
 from tasks.run.dispatch import run_shards
 from tasks.run.params import ClusterParams, OutputParams
 from tasks.run.pool import EnginePool
 from tasks.run.progress import IterationProgress
 from tasks.run.prompts import PromptRecord, Prompts
 from tasks.run.records import request_seed, rows_for, with_input
-from tasks.run.segments import record_sampling
 from tasks.run.shards import Shard, ShardStore, plan_shards
 from training.grpo import group_advantages
 from training.rewards import RewardInput, score_remote
@@ -282,7 +282,7 @@ def generate_rollouts(
     store = start_try(pool, plan, policy, prompts)
     kind = ShardWriter
     if plan.agent is not None:
-        from tasks.agent_writer import AgentWriter  # it builds on ShardWriter
+        from tasks.run.agent_writer import AgentWriter  # it builds on ShardWriter
 
         kind = AgentWriter
     writer = kind(pool, prompts, plan, store, progress, scorer)

@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.weight_sync import LoraSync, SyncConfig, SyncReport
-from engines.weight_sync import checkpoint as ckpt
 from engines.weight_sync.coordinator import as_engine_list
 from engines.weight_sync.probe import ProbeReference
 from engines.weight_sync.protocol import SenderOptions, WeightSender, new_sender
+from engines.weight_sync.transports import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.weight_sync.adapter import (
+from engines.weight_sync.errors import WeightTransferError
+from engines.weight_sync.formats.adapter import (
     LoraSpec,
     PackedAdapter,
     adapter_name,
     targets_missing,
     tensor_module,
 )
-from engines.weight_sync.errors import WeightTransferError
 
 #: peft's name for "no adapter" in a mixed batch.
 BASE = "__base__"

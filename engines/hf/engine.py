@@ -32,10 +32,10 @@ from engines.base import (
 from engines.config import EngineConfig
 from engines.errors import EngineTimeoutError, RequestError
 from engines.hf.loop import GenerationLoop
+from engines.lifecycle.spec import check_hf_kwargs
 from engines.load import EngineLoad
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
-from engines.spec import check_hf_kwargs
 from engines.startup import StartupClock, actor_clock
 from engines.weight_sync.lora import adapter_versions
 from engines.weight_sync.probe import sequence_logprobs
@@ -253,7 +253,7 @@ class HFEngine(RolloutEngine):
         await self._stop_openai()
 
     def _openai_app(self) -> Any:
-        from engines.hf.openai_app import build_app
+        from engines.hf.openai.app import build_app
 
         return build_app(self)
 

@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from engines.weight_sync.adapter import (
+from engines.weight_sync.formats.adapter import (
     LoraSpec,
     PackedAdapter,
     adapter_id,

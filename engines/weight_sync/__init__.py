@@ -11,11 +11,7 @@ time. Design: docs/weight_sync.md.
 Nothing here imports vLLM or CUDA at module level.
 """
 
-from engines.weight_sync.adapter import LoraSpec, LoraSync
-from engines.weight_sync.broadcast import BroadcastSender
-from engines.weight_sync.checkpoint import CheckpointSender, sync_from_checkpoint
 from engines.weight_sync.config import GroupInfo, SyncConfig
-from engines.weight_sync.cuda_ipc import CudaIpcSender
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
     ManifestMismatchError,
@@ -24,9 +20,13 @@ from engines.weight_sync.errors import (
     WeightTransferError,
     WeightVersionError,
 )
+from engines.weight_sync.formats.adapter import LoraSpec, LoraSync
+from engines.weight_sync.formats.manifest import Manifest, ParamSpec
 from engines.weight_sync.lora import LoraSender
-from engines.weight_sync.manifest import Manifest, ParamSpec
 from engines.weight_sync.protocol import SyncReport, transport_for
+from engines.weight_sync.transports.broadcast import BroadcastSender
+from engines.weight_sync.transports.checkpoint import CheckpointSender, sync_from_checkpoint
+from engines.weight_sync.transports.cuda_ipc import CudaIpcSender
 
 __all__ = [
     "BroadcastSender",

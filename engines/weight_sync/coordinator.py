@@ -20,10 +20,10 @@ from typing import Any
 
 from engines.client import EngineCallResult, call_engines, collect, engine_label
 from engines.errors import EngineDeadError, EngineFailure
-from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.errors import ChecksumMismatchError, WeightSyncError, WeightTransferError
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.checksum import raise_checksum_mismatch
+from engines.weight_sync.formats.manifest import Manifest
 from engines.weight_sync.probe import ProbeReference, ProbeResult, combined
 from engines.weight_sync.protocol import Begun, OneCall, SyncReport
 

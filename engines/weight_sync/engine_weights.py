@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from engines.weight_sync.errors import WeightSyncError
-from engines.weight_sync.manifest import Manifest, raise_problems
+from engines.weight_sync.formats.manifest import Manifest, raise_problems
 from engines.weight_sync.protocol import EngineHost
 
 

@@ -34,17 +34,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engines.weight_sync import ipc_handles as ipc
-from engines.weight_sync.adapter import (
-    LoraSpec,
-    LoraSync,
-    PackedAdapter,
-    received_tensors,
-    save_adapter,
-    tensor_module,
-)
-from engines.weight_sync.buckets import ALIGN, Bucket, pack_bucket, plan_buckets
-from engines.weight_sync.checksum import nbytes_of
 from engines.weight_sync.config import SyncConfig
 from engines.weight_sync.coordinator import (
     Coordinator,
@@ -54,6 +43,17 @@ from engines.weight_sync.coordinator import (
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.formats import ipc_handles as ipc
+from engines.weight_sync.formats.adapter import (
+    LoraSpec,
+    LoraSync,
+    PackedAdapter,
+    received_tensors,
+    save_adapter,
+    tensor_module,
+)
+from engines.weight_sync.formats.buckets import ALIGN, Bucket, pack_bucket, plan_buckets
+from engines.weight_sync.formats.checksum import nbytes_of
 from engines.weight_sync.probe import ProbeResult
 from engines.weight_sync.protocol import (
     Received,

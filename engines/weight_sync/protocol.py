@@ -269,7 +269,14 @@ class Transport:
 
 
 #: Modules under engines.weight_sync, each defining `TRANSPORT`.
-TRANSPORT_MODULES = ("broadcast", "cuda_ipc", "checkpoint", "openrlhf", "vllm_native", "lora")
+TRANSPORT_MODULES = (
+    "transports.broadcast",
+    "transports.cuda_ipc",
+    "transports.checkpoint",
+    "compat.openrlhf",
+    "compat.vllm_native",
+    "lora",
+)
 
 
 def transports() -> list[Transport]:

@@ -25,7 +25,6 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from engines.errors import EngineFailure
-from engines.weight_sync.checksum import raise_checksum_mismatch
 from engines.weight_sync.config import ON_FAILURE
 from engines.weight_sync.engine_weights import EngineWeights
 from engines.weight_sync.errors import (
@@ -33,7 +32,8 @@ from engines.weight_sync.errors import (
     WeightTransferError,
     WeightVersionError,
 )
-from engines.weight_sync.manifest import raise_problems
+from engines.weight_sync.formats.checksum import raise_checksum_mismatch
+from engines.weight_sync.formats.manifest import raise_problems
 from engines.weight_sync.open_sync import OpenSync
 from engines.weight_sync.probe import ProbeReference, ProbeResult, ProbeRuns
 from engines.weight_sync.protocol import (

@@ -14,13 +14,20 @@ import logging
 import os
 from typing import Any
 
-from engines.weight_sync import checkpoint, moe
-from engines.weight_sync.checksum import device_sums, finish_checksums, nbytes_of
 from engines.weight_sync.config import GroupInfo
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
+from engines.weight_sync.formats import moe
+from engines.weight_sync.formats.checksum import device_sums, finish_checksums, nbytes_of
+from engines.weight_sync.formats.manifest import (
+    Manifest,
+    ParamSpec,
+    dtype_name,
+    mismatches,
+    torch_dtype,
+)
 from engines.weight_sync.group import WeightGroup
-from engines.weight_sync.manifest import Manifest, ParamSpec, dtype_name, mismatches, torch_dtype
 from engines.weight_sync.protocol import WorkerAnswer
+from engines.weight_sync.transports import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +147,7 @@ class WorkerWeights:
             self._reload(weights)
             return
         if self.copy_plan is None:
-            from engines.weight_sync.copy_plan import CopyPlan
+            from engines.weight_sync.formats.copy_plan import CopyPlan
 
             self.copy_plan = CopyPlan(self.model(), self._model_loader())
         self.copy_plan.load(weights, repeat=repeat, token=token)

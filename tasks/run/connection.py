@@ -27,7 +27,7 @@ import ray
 from engines.env import RAY_ADDRESS
 
 #: The project's packages, shipped to a cluster as `py_modules`.
-PACKAGES = ("engines", "tasks", "flows", "training")
+PACKAGES = ("engines", "tasks", "flows", "training", "agents")
 #: Never uploaded (gitignore syntax, relative to each package).
 EXCLUDES = ["__pycache__/", "*.pyc"]
 #: A local Ray starts no worker before it is asked for one: by default the

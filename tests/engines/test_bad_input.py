@@ -93,7 +93,7 @@ def test_name_collision_is_rejected(ray_local, tiny_model):
 def test_unknown_engine_argument_is_named(ray_local, tiny_model, monkeypatch):
     """With vLLM importable, engine arguments are checked against its
     AsyncEngineArgs fields (here a stand-in list: CI has no vLLM)."""
-    from engines import spec
+    from engines.lifecycle import spec
 
     monkeypatch.setattr(spec, "vllm_engine_fields", lambda: frozenset({"enforce_eager", "dtype"}))
     with pytest.raises(EngineSpecError, match=r"unknown engine arguments \['enforce_eagre'\]"):

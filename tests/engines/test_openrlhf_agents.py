@@ -24,7 +24,7 @@ from openrlhf_calls import (
 from transformers import AutoConfig, AutoTokenizer
 
 from engines import EngineSpecError, SamplingParams, create_vllm_engines, destroy_engines
-from engines.openrlhf_agents import run_openrlhf_agent
+from engines.openrlhf.agents import run_openrlhf_agent
 from engines.trajectory import NOT_SAMPLED
 from engines.weight_sync import SyncConfig, sync_from_checkpoint
 

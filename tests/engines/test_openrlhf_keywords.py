@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import engines.openrlhf as openrlhf
+import engines.openrlhf.vllm_engine as openrlhf
 from engines import EngineSetSpec, EngineSpecError, Placement, PlacementMode
 
 

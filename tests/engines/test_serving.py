@@ -79,7 +79,7 @@ def test_every_response_names_its_weight_versions(engines, url):
 def test_a_sync_during_a_running_http_request_freezes_and_resumes_it(engines, url, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from engines.weight_sync import checkpoint
+    from engines.weight_sync.transports import checkpoint
 
     engine = engines[0]
     model = AutoModelForCausalLM.from_pretrained(engines.configs[0].pretrain)

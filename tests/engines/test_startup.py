@@ -6,9 +6,9 @@ from __future__ import annotations
 import ray
 
 from engines import create_vllm_engines, destroy_engines, env
-from engines.actors import actor_env
 from engines.config import EngineConfig
-from engines.placement import EnginePlacement
+from engines.lifecycle.actors import actor_env
+from engines.lifecycle.placement import EnginePlacement
 from engines.startup import Phase, StartupClock, StartupReport
 
 

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from verifiers.v1.runtimes import SubprocessConfig
 from verifiers_tasks import ChatHarnessConfig, letter_fraction
 
+from agents.router.actor import start_router
 from engines import EngineSetSpec, destroy_engines, start_engine_set
-from engines.router import start_router
 
 pytestmark = pytest.mark.slow
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 from rollout_support import REPO, run_params, small_run
 from transformers import AutoTokenizer
 
+from agents import tool_task
 from flows.rollout import rollout
 from tasks.run.shards import read_rows
-from training import tool_task
 
 #: `make run-agent`'s parameters (the CLI's demo preset under --agent).
 TOOL_TASK = {
     "prompts_path": str(REPO / "data" / "tool_task.jsonl"),
     "label_field": "answer",
     "id_field": "id",
-    "agent": "training.tool_task:agent",
+    "agent": "agents.tool_task:agent",
     "iterations": 6,
     "learning_rate": 0.03,
     "n": 8,

@@ -3,7 +3,7 @@ during iteration 1 is replaced by the spare, which is woken and synced to the
 policy's current weights before it serves; the run completes exactly once.
 Colocated (`colocate`): the engines, the spare and the policy share one
 bundle, the policy started once the engines and the spare are up. Spares on
-bundles of their own: tests/engines/test_spares.py, and the GPU suite."""
+bundles of their own: tests/engines/lifecycle/test_spares.py, and the GPU suite."""
 
 from __future__ import annotations
 

@@ -266,15 +266,15 @@ def test_the_run_form_shows_the_sections_only():
 
 
 def test_an_agent_gives_the_reward_and_trains():
-    run = params(agent="training.tool_task:agent")
+    run = params(agent="agents.tool_task:agent")
     assert run.training.agentic and run.training.on_policy
     with pytest.raises(ValidationError, match="reward and agent both give the reward"):
-        params(agent="training.tool_task:agent", reward="training.letter_task:reward")
+        params(agent="agents.tool_task:agent", reward="training.letter_task:reward")
     with pytest.raises(ValidationError, match="agent and agent_func_path"):
-        params(agent="training.tool_task:agent", agent_func_path="f.py")
+        params(agent="agents.tool_task:agent", agent_func_path="f.py")
 
 
 def test_cli_agent_runs_leave_the_demo_reward_out():
-    run = parse_params(["--agent", "training.tool_task:agent"])
+    run = parse_params(["--agent", "agents.tool_task:agent"])
     assert run.training.reward is None and run.training.iterations == 6
     assert parse_params([]).training.reward == "training.letter_task:reward"

@@ -4,7 +4,7 @@ first groups to complete; the others are aborted at the sync and resumed
 under the new weights. Every (group, sample) is written once, each token's
 version is within the wait bound, and no group started is dropped. Which
 samples get resumed depends on timing (the CPU engine's static batches);
-tests/tasks/run/test_resume.py resumes them deterministically."""
+tests/tasks/partial/test_partial_runner.py resumes them deterministically."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 from rollout_support import nothing_left, run_params, small_run
 
 from flows.rollout import rollout
-from tasks.partial import CarryStore, group_seed, in_flight_groups
+from tasks.partial.task import CarryStore, group_seed, in_flight_groups
 from tasks.run.shards import read_rows
 from training.long_tail import make_rows
 

@@ -64,7 +64,7 @@ def test_sync_is_generate_train_sync_in_order():
 
 
 def test_partial_runs_in_sync_order_whatever_its_wait_bound():
-    """Its bound is how long a partial rollout may wait (tasks/partial.py), so
+    """Its bound is how long a partial rollout may wait (tasks/partial/task.py), so
     generation j still waits for version j, as under `sync`."""
     pipeline = Pipeline(3, "partial", 3)
     pipeline.start(0.0)

@@ -8,7 +8,7 @@ from typing import Any
 
 from policy_probes import PolicyProbes
 
-from engines.weight_sync import ipc_handles as ipc
+from engines.weight_sync.formats import ipc_handles as ipc
 from training.config import PolicyConfig
 from training.policy import ReferencePolicy
 

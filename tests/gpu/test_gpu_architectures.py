@@ -8,7 +8,7 @@ stated per model; loads replay the copy plan only for the classes proven
 equal to vLLM's loader (`worker.REPLAY_PROVEN`), and go through vLLM's
 layerwise reload otherwise. The MoE models sync the trainer's fused experts
 (transformers 5) into an engine started from a per-expert checkpoint
-(engines/weight_sync/moe.py).
+(engines/weight_sync/formats/moe.py).
 
     pytest -m gpu tests/gpu/test_gpu_architectures.py -s
 """

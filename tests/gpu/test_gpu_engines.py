@@ -195,7 +195,7 @@ def test_pause_keep_freezes_work_in_flight_across_a_weight_sync(
     """OpenRLHF's pause (vLLM's mode="keep"): returns within 1 s with a long
     request in flight, a sync runs under the frozen request, and after resume
     it finishes, its output naming both weight versions."""
-    from engines.weight_sync import checkpoint
+    from engines.weight_sync.transports import checkpoint
 
     ray = ray_gpu
     engine = engines[0]
@@ -333,7 +333,7 @@ def test_engine_fields_read_from_source_are_vllms_own():
 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from engines import spec
+    from engines.lifecycle import spec
 
     spec.vllm_engine_fields.cache_clear()
     assert spec.vllm_engine_fields() == {f.name for f in dataclasses.fields(AsyncEngineArgs)}

@@ -156,7 +156,7 @@ def test_a_stream_names_its_version_in_the_header(api):
 def test_a_sync_during_a_running_http_request_freezes_and_resumes_it(
     ray_gpu, engines, api, hf_reference, tmp_path
 ):
-    from engines.weight_sync import checkpoint
+    from engines.weight_sync.transports import checkpoint
 
     ray = ray_gpu
     engine = engines[0]

@@ -24,7 +24,7 @@ from openrlhf_calls import (
 
 from engines import RequestError, create_vllm_engines, destroy_engines
 from engines import SamplingParams as OurSamplingParams
-from engines.openrlhf_agents import run_openrlhf_agent
+from engines.openrlhf.agents import run_openrlhf_agent
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("openrlhf.utils.agent", reason="pip install --no-deps openrlhf==0.11.2")

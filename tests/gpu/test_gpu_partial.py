@@ -11,9 +11,9 @@ import pytest
 from gpu_helpers import vllm_engine, wait_gpus_released, wait_ready
 
 from engines import SamplingParams, destroy_engines
+from tasks.partial.runner import SegmentRunner
+from tasks.partial.segments import GroupState, SampleState
 from tasks.run.pool import EnginePool
-from tasks.run.resume import SegmentRunner
-from tasks.run.segments import GroupState, SampleState
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def pool(ray_gpu, gpu_model, gpu_baseline):
 def test_aborted_samples_resume_after_a_sync_keeping_their_tokens(ray_gpu, pool, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from engines.weight_sync import checkpoint
+    from engines.weight_sync.transports import checkpoint
 
     ray = ray_gpu
     texts = ["a long one", "a short one"]

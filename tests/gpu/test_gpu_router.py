@@ -13,8 +13,8 @@ import openai
 import pytest
 from gpu_helpers import wait_gpus_released, wait_ready
 
+from agents.router.actor import start_router
 from engines import create_vllm_engines, destroy_engines
-from engines.router import start_router
 
 pytestmark = pytest.mark.gpu
 

@@ -263,7 +263,7 @@ def test_pause_keep_freezes_a_request_across_a_sync_and_resumes_it(tiny_model, t
     """pause_generation() (keep) returns within 1 s with a request in flight;
     a weight sync runs under the frozen request; after resume_generation()
     it continues on the new weights, and its output names both versions."""
-    from engines.weight_sync import checkpoint
+    from engines.weight_sync.transports import checkpoint
 
     engine = make_engine(tiny_model)
     new_weights = {

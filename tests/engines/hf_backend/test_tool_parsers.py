@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from engines.hf import openai_protocol as p
-from engines.hf.openai_app import chat_choice
-from engines.hf.tool_parsers import TOOL_PARSERS, ParsedAnswer, ParsedCall, hermes
+from engines.hf.openai import protocol as p
+from engines.hf.openai.app import chat_choice
+from engines.hf.openai.tool_parsers import TOOL_PARSERS, ParsedAnswer, ParsedCall, hermes
 from engines.outputs import CompletionOutput
 
 WEATHER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>'

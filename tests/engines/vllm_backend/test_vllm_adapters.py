@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import torch
 
 from engines.vllm.adapters import Built, VllmAdapters
-from engines.weight_sync.adapter import LoraSpec, PackedAdapter, adapter_id
-from engines.weight_sync.buckets import pack_bucket, plan_buckets
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.adapter import LoraSpec, PackedAdapter, adapter_id
+from engines.weight_sync.formats.buckets import pack_bucket, plan_buckets
+from engines.weight_sync.formats.manifest import Manifest
 
 NAME = "base_model.model.model.layers.0.self_attn.{}.lora_A.weight"
 

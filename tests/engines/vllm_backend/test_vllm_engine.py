@@ -112,7 +112,7 @@ def test_engine_args_are_the_configs_then_the_callers():
 
 def test_quantization_is_fp8_or_none_and_never_an_engine_argument_too():
     from engines.errors import EngineSpecError
-    from engines.spec import EngineSetSpec
+    from engines.lifecycle.spec import EngineSetSpec
 
     settings = dict(name="e-0", pretrain="m", max_len=64, seed=3, rpc_timeout_s=5)
     with pytest.raises(EngineSpecError, match="quantization='awq'"):

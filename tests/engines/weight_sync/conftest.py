@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_engine import FakeEngine, model, state
 
-from engines.weight_sync import checkpoint
+from engines.weight_sync.transports import checkpoint
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from engines.weight_sync import BroadcastSender, Manifest, SyncConfig
-from engines.weight_sync.manifest import torch_dtype
+from engines.weight_sync.formats.manifest import torch_dtype
 
 logger = logging.getLogger("dying_trainer")
 

@@ -19,10 +19,10 @@ import torch
 from architectures import ARCHITECTURES, build
 from fake_engine import FakeEngine, join, run
 
-from engines.weight_sync import checkpoint
-from engines.weight_sync.buckets import bucket_key, iter_buckets, pack_bucket, plan_buckets
-from engines.weight_sync.checksum import checksum, checksums
-from engines.weight_sync.manifest import Manifest, dtype_name
+from engines.weight_sync.formats.buckets import bucket_key, iter_buckets, pack_bucket, plan_buckets
+from engines.weight_sync.formats.checksum import checksum, checksums
+from engines.weight_sync.formats.manifest import Manifest, dtype_name
+from engines.weight_sync.transports import checkpoint
 
 TRANSPORTS = ("checkpoint", "broadcast", "openrlhf", "vllm_native")
 TOKENS = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 23, 11, 77]])

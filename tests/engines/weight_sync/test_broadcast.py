@@ -11,8 +11,8 @@ import asyncio
 import torch
 from fake_engine import FakeEngine, join, run
 
-from engines.weight_sync.buckets import iter_buckets, pack_bucket, plan_buckets
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.buckets import iter_buckets, pack_bucket, plan_buckets
+from engines.weight_sync.formats.manifest import Manifest
 
 
 class Qwen3MoeForCausalLM(torch.nn.Module):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.weight_sync.buckets import (
+from engines.weight_sync.formats.buckets import (
     ALIGN,
     iter_buckets,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
 )
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.manifest import Manifest
 
 
 def mixed_tensors() -> list[tuple[str, torch.Tensor]]:

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from engines.weight_sync import checkpoint
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.manifest import Manifest
+from engines.weight_sync.transports import checkpoint
 
 
 def weights():

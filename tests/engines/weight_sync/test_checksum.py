@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.weight_sync.checksum import checksum, checksums
+from engines.weight_sync.formats.checksum import checksum, checksums
 
 
 def test_checksum_sees_any_changed_or_moved_byte():

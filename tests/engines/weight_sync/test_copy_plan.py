@@ -5,9 +5,9 @@ shard, a padded vocabulary)."""
 import pytest
 import torch
 
-from engines.weight_sync.buckets import plan_buckets, unpack_bucket
-from engines.weight_sync.copy_plan import CopyPlan
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.buckets import plan_buckets, unpack_bucket
+from engines.weight_sync.formats.copy_plan import CopyPlan
+from engines.weight_sync.formats.manifest import Manifest
 
 HIDDEN, VOCAB, PADDED = 8, 10, 16
 

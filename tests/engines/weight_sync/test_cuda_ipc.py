@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from fake_engine import FakeEngine, model, run
 
-from engines.weight_sync import cuda_ipc
 from engines.weight_sync.errors import WeightTransferError
 from engines.weight_sync.protocol import WorkerAnswer
+from engines.weight_sync.transports import cuda_ipc
 
 
 class FakeCopyEvent:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from fake_engine import run
 
-from engines.weight_sync import checkpoint
 from engines.weight_sync.errors import ManifestMismatchError
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.manifest import Manifest
+from engines.weight_sync.transports import checkpoint
 
 
 def test_an_accepted_manifest_is_not_asked_of_the_workers_again(engine, new_weights):

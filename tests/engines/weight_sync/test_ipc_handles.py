@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from engines.weight_sync import ipc_handles
 from engines.weight_sync.errors import WeightTransferError
+from engines.weight_sync.formats import ipc_handles
 
 # reduce_tensor's rebuild args for a CUDA tensor: (type, shape, stride, offset,
 # storage type, dtype, device index, handle, ...); index 6 is the device.

@@ -22,7 +22,7 @@ from engines.weight_sync import (
     SyncConfig,
     WeightSyncError,
 )
-from engines.weight_sync.adapter import save_adapter
+from engines.weight_sync.formats.adapter import save_adapter
 from engines.weight_sync.lora import AdapterVersions
 from training.grpo import token_logprobs
 from training.policy import ReferencePolicy

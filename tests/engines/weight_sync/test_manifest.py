@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from engines.weight_sync.errors import ManifestMismatchError
-from engines.weight_sync.manifest import Manifest, dtype_name, mismatches, raise_problems
+from engines.weight_sync.formats.manifest import Manifest, dtype_name, mismatches, raise_problems
 
 
 def check_manifest(

@@ -14,9 +14,9 @@ from architectures import write
 from fake_engine import FakeWorker
 from safetensors.torch import load_file
 
-from engines.weight_sync import checkpoint
-from engines.weight_sync.manifest import Manifest, ParamSpec, mismatches
-from engines.weight_sync.moe import in_engine_layout, per_expert
+from engines.weight_sync.formats.manifest import Manifest, ParamSpec, mismatches
+from engines.weight_sync.formats.moe import in_engine_layout, per_expert
+from engines.weight_sync.transports import checkpoint
 from engines.weight_sync.worker import WorkerWeights
 
 MOE = ("qwen2-moe", "qwen3-moe")

@@ -129,7 +129,7 @@ def test_a_stream_of_fused_moe_experts_completes_a_per_expert_manifest(tmp_path)
     from architectures import build, write
     from transformers import AutoModelForCausalLM
 
-    from engines.weight_sync import checkpoint
+    from engines.weight_sync.transports import checkpoint
 
     path = write("qwen3-moe", tmp_path / "model")
     inner = build("qwen3-moe", seed=3, vocab_size=320).to(torch.bfloat16)

@@ -22,8 +22,8 @@ from engines import (
     destroy_engines,
 )
 from engines.client import get
-from engines.weight_sync import Manifest, ProbeMismatchError, broadcast, sync_from_checkpoint
-from engines.weight_sync.buckets import plan_buckets
+from engines.weight_sync import Manifest, ProbeMismatchError, sync_from_checkpoint
+from engines.weight_sync.formats.buckets import plan_buckets
 from engines.weight_sync.probe import (
     PROBE_LENGTH,
     ProbeReference,
@@ -33,6 +33,7 @@ from engines.weight_sync.probe import (
     probe_tokens,
     tolerance_for,
 )
+from engines.weight_sync.transports import broadcast
 from training.config import PolicyConfig
 
 REFERENCE = ProbeReference(tuple(range(1, 5)), (-1.0, -2.0, -3.0), tolerance=0.1)

@@ -12,9 +12,6 @@ import torch
 from fake_engine import FakeEngine, FakeWorker, ProbedEngine, assert_state, model, run, state
 
 from engines.errors import EngineStaleError
-from engines.weight_sync import checkpoint
-from engines.weight_sync.buckets import plan_buckets
-from engines.weight_sync.checksum import checksums
 from engines.weight_sync.errors import (
     ChecksumMismatchError,
     ManifestMismatchError,
@@ -23,8 +20,11 @@ from engines.weight_sync.errors import (
     WeightTransferError,
     WeightVersionError,
 )
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.buckets import plan_buckets
+from engines.weight_sync.formats.checksum import checksums
+from engines.weight_sync.formats.manifest import Manifest
 from engines.weight_sync.probe import ProbeReference
+from engines.weight_sync.transports import checkpoint
 
 
 def test_a_full_sync_serves_the_new_version(engine, new_weights):

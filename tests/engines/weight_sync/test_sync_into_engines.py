@@ -36,7 +36,7 @@ from engines.weight_sync import (
     SyncConfig,
     sync_from_checkpoint,
 )
-from engines.weight_sync.manifest import Manifest
+from engines.weight_sync.formats.manifest import Manifest
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]

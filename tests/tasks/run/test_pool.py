@@ -12,7 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from engines import EngineSet
 from engines.errors import EngineDeadError, EngineTimeoutError
-from engines.placement import EnginePlacement
+from engines.lifecycle.placement import EnginePlacement
 from tasks.run import pool as pool_module
 from tasks.run.pool import EnginePool
 

@@ -1,0 +1,220 @@
+"""One iteration of partial rollouts on the engines: the samples of every
+group in flight are sent as segments (`tasks.partial.segments`), each to the
+live engine with the fewest samples in flight; once `batch` groups are
+complete, and every group at its wait bound too, the engines abort what
+still runs (`pause_generation(mode="abort")` answers each
+request with its tokens so far) and the unfinished samples wait for the next
+iteration. A segment lost with its engine (dead or past its deadline) is
+sent again, from the sample's tokens before it, to a surviving engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from engines import EngineFailure, EngineTimeoutError, RequestError
+from engines.client import get
+from engines.sampling import SamplingParams
+from tasks.engines import FETCH_TIMEOUT_S
+from tasks.partial.segments import GroupState, SampleState
+from tasks.run.dispatch import cancel
+from tasks.run.pool import EnginePool
+
+
+@dataclass(eq=False)
+class Segment:
+    """One request in flight: a new group's samples, or one sample resumed."""
+
+    group: GroupState
+    samples: list[SampleState]
+    engine: int
+    restarts: int
+    deadline: float
+
+
+@dataclass
+class SegmentCounts:
+    """What one iteration's engines did: segments sent, resumed (a sample's
+    second or later) and aborted at the iteration's end; tokens generated."""
+
+    sent: int = 0
+    resumed: int = 0
+    aborted: int = 0
+    tokens: int = 0
+
+
+class SegmentRunner:
+    """Runs groups' samples until `batch` groups are complete; then aborts
+    the rest. `texts[g.prompt_index]`: a group's prompt text (its first
+    segment's prompt; later ones send token ids)."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        texts: list[str],
+        sampling: SamplingParams,
+        *,
+        batch: int,
+        timeout_s: float,
+        abort_timeout_s: float,
+    ):
+        self.pool, self.texts, self.sampling = pool, texts, sampling
+        self.batch, self.timeout_s, self.abort_timeout_s = batch, timeout_s, abort_timeout_s
+        self.flights: dict[Any, Segment] = {}
+        self.groups: list[GroupState] = []
+        self.due: list[GroupState] = []
+        self.completed: list[GroupState] = []
+        self.counts = SegmentCounts()
+        self.stopping = False
+
+    def run(
+        self, groups: list[GroupState], due: list[GroupState] = (), *, keep_running: bool = False
+    ) -> list[GroupState]:
+        """Complete groups in the order they completed (already complete ones
+        first), once `batch` groups are complete and every group of `due`
+        (those at their wait bound) too. Then the engines stop, or with
+        `keep_running` go on with the rest until `finish`."""
+        self.groups = list(groups)
+        self.due = list(due)
+        self.completed = [g for g in groups if g.complete]
+        self.stopping = self.enough()
+        try:
+            if not self.stopping:
+                for group in groups:
+                    self.send(group, [s for s in group.samples if not s.done])
+            while self.flights and not self.enough():
+                self.collect_one()
+        except BaseException:
+            # An error, the flow cancelled: stop the engines' work rather
+            # than let it run on.
+            self.abandon()
+            raise
+        if not keep_running:
+            self.finish()
+        return self.completed
+
+    def running(self) -> bool:
+        """Whether a segment is still generating (not yet answered)."""
+        if not self.flights:
+            return False
+        ready, _ = ray.wait(list(self.flights), num_returns=len(self.flights), timeout=0)
+        return len(ready) < len(self.flights)
+
+    def abandon(self) -> None:
+        """Cancel what runs, its tokens lost (an error, the flow stopped)."""
+        cancel(list(self.flights))
+        self.flights.clear()
+
+    def finish(self) -> None:
+        """Abort what still runs and take its tokens so far (the samples stay
+        unfinished, to be resumed)."""
+        try:
+            if self.flights:
+                self.stop()
+            while self.flights:
+                self.collect_one()
+        finally:
+            self.abandon()
+
+    def send(self, group: GroupState, samples: list[SampleState]) -> None:
+        """A group not started yet goes as one request of n samples (as
+        `sync` sends it); a sample with tokens resumes alone from them."""
+        if samples and all(s.segments == 0 for s in group.samples):
+            self.send_one(group, group.samples, group.first_request(self.sampling))
+            return
+        for sample in samples:
+            self.send_one(group, [sample], sample.request(self.sampling, group.seed))
+
+    def send_one(self, group: GroupState, samples: list[SampleState], params: Any) -> None:
+        live = self.pool.live()
+        if not live:
+            raise EngineFailure("no live engine left to resume the partial rollouts on")
+        load = {e: 0 for e in live}
+        for flight in self.flights.values():
+            if flight.engine in load:
+                load[flight.engine] += len(flight.samples)
+        engine = min(live, key=lambda e: load[e])
+        handle = self.pool.engines[engine]
+        if samples[0].segments == 0:
+            ref = handle.generate_text.remote(self.texts[group.prompt_index], params)
+            self.pool.stats[engine].prompts += 1
+        else:
+            ref = handle.generate.remote(samples[0].prompt(), params)
+            self.counts.resumed += 1
+        self.counts.sent += 1
+        self.pool.stats[engine].generate_calls += 1
+        restarts = self.pool.stats[engine].restarts
+        deadline = time.monotonic() + self.timeout_s
+        self.flights[ref] = Segment(group, samples, engine, restarts, deadline)
+
+    def collect_one(self) -> None:
+        wait_s = max(0.0, min(f.deadline for f in self.flights.values()) - time.monotonic())
+        ready, _ = ray.wait(list(self.flights), num_returns=1, timeout=wait_s)
+        for ref in ready:
+            flight = self.flights.pop(ref)
+            try:
+                output = get(ref, FETCH_TIMEOUT_S, self.pool.name(flight.engine))
+            except EngineFailure as exc:
+                self.lose_engine(flight, exc)
+                continue
+            except RequestError as exc:  # this request is bad: no retry can fix it
+                raise type(exc)(f"prompt {flight.group.prompt_index}: {exc}") from exc
+            self.absorb(flight, output)
+        now = time.monotonic()
+        for flight in [f for f in self.flights.values() if f.deadline <= now]:
+            name = self.pool.name(flight.engine)
+            error = EngineTimeoutError(f"{name} did not answer within {self.timeout_s:g}s", name)
+            self.lose_engine(flight, error)
+
+    def absorb(self, flight: Segment, output: Any) -> None:
+        group, unfinished = flight.group, []
+        completions = sorted(output.outputs, key=lambda c: c.index)
+        for sample, completion in zip(flight.samples, completions, strict=True):
+            sample.absorb(output, completion)
+            self.counts.tokens += len(completion.token_ids)
+            self.pool.stats[flight.engine].tokens += len(completion.token_ids)
+            if sample.done:
+                self.pool.stats[flight.engine].samples += 1
+            else:
+                self.counts.aborted += 1
+                unfinished.append(sample)
+        if unfinished and not self.stopping:  # stopped by something else (a pause by hand)
+            self.send(group, unfinished)
+        if group.complete:
+            self.completed.append(group)
+
+    def enough(self) -> bool:
+        return len(self.completed) >= self.batch and all(g.complete for g in self.due)
+
+    def stop(self) -> None:
+        """The batch is complete: every engine ends what it runs now; the
+        aborted segments come back with their tokens so far."""
+        self.stopping = True
+        engines = [self.pool.engines[e] for e in self.pool.live()]
+        get([e.pause_generation.remote(mode="abort") for e in engines], self.abort_timeout_s)
+        get([e.resume_generation.remote() for e in engines], self.abort_timeout_s)
+        # The engines answered: their aborted segments are due now. A segment
+        # kept running through a policy step may be past its send-time
+        # deadline without any hang, and its tokens must not be dropped.
+        due = time.monotonic() + self.abort_timeout_s
+        for flight in self.flights.values():
+            flight.deadline = due
+
+    def lose_engine(self, failed: Segment, error: EngineFailure) -> None:
+        """The engine of `failed` is gone (or hung): its segments are sent
+        again from their samples' tokens before them, to the others."""
+        engine = failed.engine
+        self.pool.mark_failed(engine, error, failed.restarts)
+        lost = [failed] + [f for f in self.flights.values() if f.engine == engine]
+        refs = [r for r, f in self.flights.items() if f.engine == engine]
+        cancel(refs)
+        for ref in refs:
+            del self.flights[ref]
+        if self.stopping:
+            return  # they stay unfinished: carried with the tokens they had
+        for flight in lost:
+            self.send(flight.group, flight.samples)
