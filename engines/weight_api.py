@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from engines.weight_sync.protocol import add_transport_methods
+from engines.weight_sync.factory import add_transport_methods
 from engines.weight_sync.session import WeightSync
 
 P = ParamSpec("P")

@@ -6,9 +6,11 @@ transport shares) or to the transport that registered the name.
 
 Contract: the host class provides `self.model_runner.get_model()` (vLLM) or
 overrides `_model()`; `self.device`; `self.rank` (tensor-parallel rank); on
-vLLM, `self.model_config`. Method names avoid those vLLM 0.26 reserves on
-its Worker (`update_weights`, `start_weight_update`, ...): vLLM refuses an
-extension that shadows one.
+vLLM, `self.model_config`; its backend's LoRA adapter store
+(`new_adapter_store`: vLLM's here, the CPU backend's worker overrides it).
+Method names avoid those vLLM 0.26 reserves on its Worker
+(`update_weights`, `start_weight_update`, ...): vLLM refuses an extension
+that shadows one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from engines.weight_sync.protocol import add_transport_methods
+from engines.weight_sync.factory import add_transport_methods
+from engines.weight_sync.formats.adapter import AdapterStore
 from engines.weight_sync.worker import CORE_WORKER_METHODS, WorkerWeights
 
 
@@ -39,6 +42,12 @@ class WeightSyncWorkerExtension:
     def _model(self):
         # get_model() unwraps the CUDA-graph wrapper vLLM may put around the model.
         return self.model_runner.get_model()
+
+    def new_adapter_store(self) -> AdapterStore:
+        """The LoRA adapters of this vLLM worker (its LoRA manager's)."""
+        from engines.vllm.adapters import VllmAdapters
+
+        return VllmAdapters(self)
 
     def _weight_worker(self) -> WorkerWeights:
         if self._weight_sync_state is None:

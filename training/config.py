@@ -52,7 +52,7 @@ class PolicyConfig(BaseModel):
     transport: str = Field(
         "broadcast",
         description="A transport with a trainer side, by its registered name "
-        "(`engines.weight_sync.protocol.transport_for` picks it from placement).",
+        "(`engines.weight_sync.factory.transport_for` picks it from placement).",
     )
     sync_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_bytes: int = Field(1 << 30, ge=1024)
@@ -73,7 +73,7 @@ class PolicyConfig(BaseModel):
     @classmethod
     def _registered(cls, value: str) -> str:
         # The registry, not a list kept here: a transport is one module.
-        from engines.weight_sync.protocol import trainer_transports
+        from engines.weight_sync.factory import trainer_transports
 
         if value not in trainer_transports():
             raise ValueError(f"transport must be one of {trainer_transports()}, got {value!r}")

@@ -5,7 +5,7 @@ Lifecycle, as for the engines' weight transfer: init (constructor: load the
 model) -> start (`init_weight_sync(engines)`) -> update (`train_step` and
 `sync_weights`, per iteration) -> finish (`close`). Weight sync is provided
 here on top of `named_weights()`, through the sender of the transport named
-(`engines.weight_sync.protocol.transport_for` picks it from placement).
+(`engines.weight_sync.factory.transport_for` picks it from placement).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any
 
 from engines.weight_sync import LoraSync, SyncConfig, SyncReport
 from engines.weight_sync.coordinator import as_engine_list
+from engines.weight_sync.factory import new_sender
 from engines.weight_sync.probe import ProbeReference
-from engines.weight_sync.protocol import SenderOptions, WeightSender, new_sender
+from engines.weight_sync.protocol import SenderOptions, WeightSender
 from engines.weight_sync.transports import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The CPU backend's LoRA adapters (`engines/weight_sync/lora.py` syncs them):
+"""The CPU backend's LoRA adapters (`engines/weight_sync/lora/` syncs them):
 peft's LoRA layers injected into the engine's model, one named adapter per
 weight version. A batch runs each row on its own adapter, or on the base
 model (peft's mixed-adapter batches).
@@ -10,6 +10,7 @@ from typing import Any
 
 from engines.weight_sync.errors import WeightTransferError
 from engines.weight_sync.formats.adapter import (
+    AdapterStore,
     LoraSpec,
     PackedAdapter,
     adapter_name,
@@ -21,7 +22,7 @@ from engines.weight_sync.formats.adapter import (
 BASE = "__base__"
 
 
-class PeftAdapters:
+class PeftAdapters(AdapterStore):
     """The adapters of one CPU worker's model, by version."""
 
     def __init__(self, host: Any):

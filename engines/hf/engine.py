@@ -37,7 +37,7 @@ from engines.load import EngineLoad
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
 from engines.startup import StartupClock, actor_clock
-from engines.weight_sync.lora import adapter_versions
+from engines.weight_sync.lora.engine import adapter_versions
 from engines.weight_sync.probe import sequence_logprobs
 
 logger = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ import torch
 import transformers.utils.logging
 
 from engines import env
+from engines.hf.adapters import PeftAdapters
 from engines.startup import StartupClock
 from engines.worker_extension import WeightSyncWorkerExtension
 
@@ -30,6 +31,10 @@ class HFWorker(WeightSyncWorkerExtension):
 
     def _model(self) -> torch.nn.Module:
         return self.model
+
+    def new_adapter_store(self) -> PeftAdapters:
+        """The LoRA adapters of this model: peft's (vLLM's manager is not here)."""
+        return PeftAdapters(self)
 
     def adapters(self) -> Any:
         """The LoRA adapters synced into this model (`PeftAdapters`), or None."""

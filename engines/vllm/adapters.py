@@ -1,4 +1,4 @@
-"""The vLLM backend's LoRA adapters (`engines/weight_sync/lora.py` syncs them),
+"""The vLLM backend's LoRA adapters (`engines/weight_sync/lora/` syncs them),
 built from the received tensors and registered with the worker's LoRA
 manager (vLLM 0.26, `vllm/lora/worker_manager.py`), with no file round-trip:
 `LoRAModel.from_lora_tensors` as `_load_adapter` builds one from a
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.weight_sync.formats.adapter import (
+    AdapterStore,
     LoraSpec,
     PackedAdapter,
     adapter_id,
@@ -92,7 +93,7 @@ class Built:
         self.lora.id = lora_id
 
 
-class VllmAdapters:
+class VllmAdapters(AdapterStore):
     """The adapters registered with one vLLM worker's LoRA manager."""
 
     def __init__(self, host: Any):

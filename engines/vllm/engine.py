@@ -51,7 +51,7 @@ from engines.vllm.core import CoreCalls
 from engines.vllm.load import SchedulerLoad
 from engines.vllm.openai_app import AdmittedClient, openai_app
 from engines.vllm.startup_log import OwnLog, vllm_log_phases
-from engines.weight_sync.lora import adapter_versions
+from engines.weight_sync.lora.engine import adapter_versions
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
     kwargs = dict(config.engine_kwargs)
     if config.enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank)
-        # Room for the adapter served while the next one loads (lora.py).
+        # Room for the adapter served while the next one loads (weight_sync/lora/).
         kwargs.setdefault("max_cpu_loras", kwargs.get("max_loras", 1) + 1)
     # One GPU: the worker lives in the engine-core process ("uni"). More:
     # vLLM's Ray executor places one worker actor per bundle (the bundles

@@ -1,12 +1,15 @@
-"""Weight sync from a trainer to rollout engines, one module per transport
-(trainer, engine-actor and worker sides together): bucketed collective
-broadcast (`broadcast`), CUDA IPC for colocated engines (`cuda_ipc`),
-safetensors checkpoints (`checkpoint`), OpenRLHF's per-parameter calls
-(`openrlhf`), vLLM's native weight-transfer API (`vllm_native`) and
-LoRA adapters alone (`lora`); the
-protocol (`protocol`), the engine actor's session (`session`) and the
-worker's state (`worker`) are shared. Versioned, verified, and bounded in
-time. Design: docs/weight_sync.md.
+"""Weight sync from a trainer to rollout engines: versioned, verified, and
+bounded in time. Design: docs/weight_sync.md.
+
+- `transports/`: one module per transport (trainer, engine-actor and worker
+  sides): bucketed broadcast, CUDA IPC for colocated engines, checkpoints.
+- `compat/`: the APIs of trainers written for others: OpenRLHF's, vLLM's native.
+- `formats/`: what travels: manifests, buckets, checksums, copy plans, IPC
+  handles, MoE layouts, the HF checkpoint layout, LoRA adapters and their store.
+- `lora/`: LoRA adapters alone, a layer over three transports.
+- Shared: `protocol` (types), `factory` (the transports by name, loaded
+  lazily), `session` (the engine actor's), `worker` (each worker's),
+  `coordinator` (a sync over a set of engines), `group`, `probe`, `config`.
 
 Nothing here imports vLLM or CUDA at module level.
 """
@@ -20,10 +23,11 @@ from engines.weight_sync.errors import (
     WeightTransferError,
     WeightVersionError,
 )
+from engines.weight_sync.factory import transport_for
 from engines.weight_sync.formats.adapter import LoraSpec, LoraSync
 from engines.weight_sync.formats.manifest import Manifest, ParamSpec
-from engines.weight_sync.lora import LoraSender
-from engines.weight_sync.protocol import SyncReport, transport_for
+from engines.weight_sync.lora.sender import LoraSender
+from engines.weight_sync.protocol import SyncReport
 from engines.weight_sync.transports.broadcast import BroadcastSender
 from engines.weight_sync.transports.checkpoint import CheckpointSender, sync_from_checkpoint
 from engines.weight_sync.transports.cuda_ipc import CudaIpcSender

@@ -1,14 +1,13 @@
 """The weight-sync protocol: what an engine needs from its host actor, what
-each step answers (typed), what a sync reports, and the registry of
-transports.
+each step answers (typed), what a sync reports, and what a transport is.
 
 Three places take part in a sync: the trainer (a sender, per transport), the
 engine actor (`session.WeightSync`, composed by `RolloutEngine`) and each
 worker that holds the model (`worker.WorkerWeights`, behind vLLM's worker
 extension or the CPU backend's worker). A transport is one module holding
 its trainer side (`new_sender`), its engine-actor methods and its worker
-methods; it is registered by naming its module in `TRANSPORT_MODULES`.
-`transport_for` is the one place a trainer's transport is chosen.
+methods; it is registered by naming its module in `factory.TRANSPORTS`
+(loaded lazily there: this module imports none of them).
 
 Answers from the engine actor are dataclasses (they cross Ray by pickle).
 Answers from a worker cross vLLM's msgpack RPC, which takes plain data only:
@@ -17,7 +16,6 @@ Answers from a worker cross vLLM's msgpack RPC, which takes plain data only:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -108,7 +106,7 @@ class SenderOptions:
     weights_device: Callable[[], Any]
     backend: str = "gloo"  # the collective broadcast's: "gloo" | "nccl"
     checkpoint_dir: str | None = None
-    #: A trainer that trains a LoRA adapter (`lora.LoraSync`): the adapter
+    #: A trainer that trains a LoRA adapter (`formats.adapter.LoraSync`): the adapter
     #: alone is sent, over the transport's way of moving it.
     lora: Any = None
 
@@ -266,66 +264,3 @@ class Transport:
     #: The trainer side, for transports whose trainer is ours (OpenRLHF's
     #: and vLLM's trainers bring their own).
     new_sender: Callable[[SenderOptions], WeightSender] | None = None
-
-
-#: Modules under engines.weight_sync, each defining `TRANSPORT`.
-TRANSPORT_MODULES = (
-    "transports.broadcast",
-    "transports.cuda_ipc",
-    "transports.checkpoint",
-    "compat.openrlhf",
-    "compat.vllm_native",
-    "lora",
-)
-
-
-def transports() -> list[Transport]:
-    return [
-        importlib.import_module(f"engines.weight_sync.{module}").TRANSPORT
-        for module in TRANSPORT_MODULES
-    ]
-
-
-def add_transport_methods(cls: type, side: str, wrap: Callable[[Callable], Callable]) -> None:
-    """Add every registered transport's `side` methods ("engine_methods" or
-    "worker_methods") to `cls`, each made by `wrap` and named as registered.
-    A name registered twice, or one `cls` writes itself, is refused."""
-    owners = {name: "the class" for name in vars(cls) if not name.startswith("_")}
-    for transport in transports():
-        for name, function in getattr(transport, side).items():
-            if name in owners:
-                raise TypeError(f"{transport.name!r} and {owners[name]} both register {name!r}")
-            owners[name] = repr(transport.name)
-            method = wrap(function)
-            method.__name__ = method.__qualname__ = name
-            setattr(cls, name, method)
-
-
-def trainer_transports() -> tuple[str, ...]:
-    """The transports a trainer of ours can sync with (those with a sender)."""
-    return tuple(t.name for t in transports() if t.new_sender is not None)
-
-
-def transport_for(*, colocated: bool, device: str, checkpoint_dir: str | None = None) -> str:
-    """The transport from where the trainer sits: a checkpoint directory when
-    one is asked for; CUDA IPC for engines on the trainer's own GPU (one GPU
-    cannot hold two NCCL ranks); otherwise the bucketed broadcast (NCCL
-    between GPUs, gloo on CPU)."""
-    if checkpoint_dir is not None:
-        return "checkpoint"
-    if colocated and device.startswith("cuda"):
-        return "cuda_ipc"
-    return "broadcast"
-
-
-def new_sender(transport: str, options: SenderOptions) -> WeightSender:
-    """The trainer side of `transport`, from the registry; with `options.lora`,
-    the adapter's sender over that transport's way (`lora.new_sender`)."""
-    if options.lora is not None:
-        from engines.weight_sync import lora
-
-        return lora.new_sender(transport, options)
-    senders = {t.name: t.new_sender for t in transports() if t.new_sender is not None}
-    if transport not in senders:
-        raise ValueError(f"transport must be one of {tuple(senders)}, got {transport!r}")
-    return senders[transport](options)

@@ -26,18 +26,17 @@ from pydantic import BaseModel, ValidationError
 
 from engines.errors import EngineFailure
 from engines.weight_sync.config import ON_FAILURE
-from engines.weight_sync.engine_weights import EngineWeights
 from engines.weight_sync.errors import (
     WeightSyncError,
     WeightTransferError,
     WeightVersionError,
 )
+from engines.weight_sync.factory import transports
 from engines.weight_sync.formats.checksum import raise_checksum_mismatch
 from engines.weight_sync.formats.manifest import raise_problems
 from engines.weight_sync.open_sync import OpenSync
 from engines.weight_sync.probe import ProbeReference, ProbeResult, ProbeRuns
 from engines.weight_sync.protocol import (
-    Aborted,
     Begun,
     Committed,
     EngineHost,
@@ -45,8 +44,8 @@ from engines.weight_sync.protocol import (
     Received,
     WeightStatus,
     WorkerAnswer,
-    transports,
 )
+from engines.weight_sync.session_abort import SessionAbort
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +58,12 @@ def validated(model: type[BaseModel], data: Any, engine: str) -> Any:
         raise WeightSyncError(f"engine {engine}: invalid {model.__name__}: {exc}") from exc
 
 
-class WeightSync(EngineWeights):
+class WeightSync(SessionAbort):
     """Weight sync on one engine actor. Transports' engine methods take it as
     their first argument and run their worker calls through `receive`."""
 
     def __init__(self, host: EngineHost):
         super().__init__(host)
-        self.open: OpenSync | None = None
-        self._lock = asyncio.Lock()
         self.probes = ProbeRuns(host, self.name)
         # The receives `begin_and_receive` may run, by name.
         self._one_call = {m: t.engine_methods[m] for t in transports() for m in t.one_call}
@@ -308,53 +305,3 @@ class WeightSync(EngineWeights):
         probed = ProbeResult("skipped", note="no reference from the trainer")
         probed = probed if verdict is None else await asyncio.shield(verdict)
         return Committed(self.name, version, session.nbytes, bool(checksums), probed)
-
-    async def abort_weight_sync(self, reason: str = "aborted by the caller") -> Aborted:
-        """End the open sync without committing: restore the backup or mark the
-        engine stale, then resume. Idempotent (no session: nothing to do)."""
-        if self.open is None:
-            return Aborted(self.name, False, self.host.stale, self.host.weight_version)
-        return await self._abort(self.open, reason)
-
-    async def _expire(self, session: OpenSync) -> None:
-        if self.open is session:
-            await self._abort(session, "the trainer went silent (idle deadline passed)")
-
-    async def _abort(self, session: OpenSync, reason: str, locked: bool = False) -> Aborted:
-        host = self.host
-        if self.open is not session:  # already closed
-            return Aborted(self.name, False, host.stale, host.weight_version)
-        self.open = None
-        session.stop_watchdog()
-        was_stale = host.stale
-        # Stale until we know better: a receive still running may load more.
-        host.stale = True
-        restored = False
-        try:
-            if locked:
-                restored = await self._end_after_failure(session)
-            else:
-                async with self._lock:  # waits for a receive in flight
-                    restored = await self._end_after_failure(session)
-        finally:
-            if restored or not session.touched:
-                host.stale = was_stale
-            await host.resume_generation()
-        logger.error(
-            "engine %s: weight sync to version %d aborted (%s); serving version %d%s",
-            self.name,
-            session.version,
-            reason,
-            host.weight_version,
-            " (restored)" if restored else (" - STALE, resync needed" if host.stale else ""),
-        )
-        return Aborted(self.name, True, host.stale, host.weight_version, restored)
-
-    async def _end_after_failure(self, session: OpenSync) -> bool:
-        restore = session.touched and session.on_failure == "restore"
-        try:
-            results = await self.rpc("end_weight_sync", restore, True)
-        except Exception:  # noqa: BLE001 - the engine stays stale; reported in the log
-            logger.exception("engine %s: restoring weights failed", self.name)
-            return False
-        return restore and all(r["restored"] for r in results)

@@ -1,8 +1,9 @@
 """The receiving side inside one worker that holds the model (a vLLM GPU
-worker or the CPU backend's worker): what every transport shares (the
-manifest, loading through the copy plan, checksums of what arrived, the
-backup, the weight group). Transport-specific receives live in their
-transport's module and take this object as their first argument.
+worker or the CPU backend's worker): what every transport shares (loading
+through the copy plan, checksums of what arrived, the backup; on top of the
+manifest it accepts, `worker_manifest.py`, and its weight group,
+`worker_group.py`). Transport-specific receives live in their transport's
+module and take this object as their first argument.
 
 Arguments and results are plain data: vLLM's collective_rpc crosses a msgpack
 hop that refuses torch types.
@@ -11,23 +12,13 @@ hop that refuses torch types.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from engines.weight_sync.config import GroupInfo
-from engines.weight_sync.errors import WeightSyncError, WeightTransferError
-from engines.weight_sync.formats import moe
+from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.formats.adapter import AdapterStore
 from engines.weight_sync.formats.checksum import device_sums, finish_checksums, nbytes_of
-from engines.weight_sync.formats.manifest import (
-    Manifest,
-    ParamSpec,
-    dtype_name,
-    mismatches,
-    torch_dtype,
-)
-from engines.weight_sync.group import WeightGroup
 from engines.weight_sync.protocol import WorkerAnswer
-from engines.weight_sync.transports import checkpoint
+from engines.weight_sync.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -51,84 +42,21 @@ def unproven(model: Any, model_config: Any) -> str | None:
     return None if kind in REPLAY_PROVEN else "{} (quantization {}) is not proven".format(*kind)
 
 
-class WorkerWeights:
-    """One worker's weight-sync state; `host` has `_model()`, `device`, `rank`, `model_config`."""
+class WorkerWeights(WorkerGroup):
+    """One worker's weight-sync state; `host` has `_model()`, `device`, `rank`,
+    `model_config`, and makes the backend's LoRA adapter store (`new_adapter_store`)."""
 
     def __init__(self, host: Any):
-        self.host = host
-        self.group: WeightGroup | None = None
+        super().__init__(host)
         self.backup: dict[str, Any] | None = None
         # name -> (bytes, checksum sums on the device) of what this sync received.
         self.wire_sums: dict[str, tuple[int, Any]] | None = None
-        self.expected: Manifest | None = None
         self.copy_plan: Any = None  # CopyPlan, made on the first load
         self.reloading = False  # inside vLLM's layerwise reload (unproven models)
         # Per transport, what it keeps between calls; dropped after a failed sync.
         self.held: dict[str, Any] = {}
-        # The LoRA adapters served (`lora.adapter_store`): kept through failed syncs.
-        self.adapters: Any = None
-
-    @property
-    def device(self) -> Any:
-        return self.host.device
-
-    def model(self) -> Any:
-        return self.host._model()
-
-    # --- what this worker expects ------------------------------------------------------
-    def is_vllm_model(self) -> bool:
-        # vLLM models load HF-named weights through `load_weights` (fusing, TP shards).
-        return hasattr(self.model(), "load_weights")
-
-    def expected_manifest(self) -> Manifest:
-        if self.expected is None:
-            if self.is_vllm_model():
-                self.expected = self._checkpoint_manifest()
-            else:
-                self.expected = Manifest.of(self.model().named_parameters())
-        return self.expected
-
-    def _checkpoint_manifest(self) -> Manifest:
-        """vLLM's parameters are fused and sharded, so the HF layout a trainer
-        sends is read from the checkpoint the engine loaded; floating-point
-        weights arrive in the serving dtype."""
-        config = self.host.model_config
-        path = config.model
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(
-                path,
-                revision=config.revision,
-                local_files_only=True,
-                allow_patterns=["*.safetensors", "*.json"],
-            )
-        serving = dtype_name(config.dtype)
-        params = [
-            p.model_copy(update={"dtype": serving}) if torch_dtype(p.dtype).is_floating_point else p
-            for p in checkpoint.read_manifest(path).params
-        ]
-        return Manifest(params=tuple(params))
-
-    def weight_manifest(self) -> dict:
-        """The layout this worker accepts (HF names), as plain data."""
-        return self.expected_manifest().model_dump(mode="json")
-
-    def weight_manifest_problems(self, manifest: dict, allow_partial: bool = False) -> list[str]:
-        """Differences between the trainer's manifest and this worker's, one line each."""
-        got = Manifest.model_validate(manifest)
-        expected = self.expected_manifest()
-        if not self.is_vllm_model():
-            return mismatches(expected, got, allow_partial=allow_partial)
-        # A checkpoint may hold weights vLLM does not load (tied lm_head, rotary
-        # buffers): only the names sent are checked, fused MoE experts per expert.
-        seen = moe.in_engine_layout(got, set(expected.names))
-        return mismatches(expected, seen, allow_partial=True)
-
-    def problems_of(self, specs: list[ParamSpec]) -> list[str]:
-        return self.weight_manifest_problems(
-            Manifest(params=tuple(specs)).model_dump(mode="json"), allow_partial=True
-        )
+        # The LoRA adapters served (`lora.worker.adapter_store`): kept through failed syncs.
+        self.adapters: AdapterStore | None = None
 
     # --- loading -----------------------------------------------------------------------
     def unproven(self) -> str | None:
@@ -288,69 +216,6 @@ class WorkerWeights:
         if missing:
             raise WeightSyncError(f"the model has no parameters {missing[:5]}")
         return {n: state[n].detach().to("cpu", copy=True) for n in names}
-
-    # --- the weight group (broadcasting transports) ------------------------------------
-    def init_process_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-        timeout_s: float = 60.0,
-        secret: str | None = None,
-    ) -> int:
-        """Join the trainer's group as rank `rank_offset + rank` (OpenRLHF's
-        WorkerWrap.init_process_group); returns that rank."""
-        self.destroy_weight_group()
-        info = GroupInfo(
-            master_address,
-            int(master_port),
-            int(world_size),
-            group_name,
-            backend,
-            float(timeout_s),
-            secret,
-        )
-        rank = int(rank_offset) + int(self.host.rank)
-        self.group = WeightGroup(info, rank, device=self.device)
-        return rank
-
-    def destroy_weight_group(self) -> None:
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
-
-    def has_weight_group(self) -> bool:
-        return self.group is not None and self.group.alive
-
-    def node_address(self) -> str:
-        """This worker's node address (the trainer listens on loopback when all share it)."""
-        from ray.util import get_node_ip_address
-
-        return get_node_ip_address()
-
-    def weight_group_id(self) -> str | None:
-        return self.group.group_id if self.has_weight_group() else None
-
-    def live_group(self) -> WeightGroup:
-        if self.group is None or not self.group.alive:
-            raise WeightTransferError(
-                "no weight group on this worker: call init_process_group first (a failed "
-                "sync tears the group down)"
-            )
-        return self.group
-
-    def receive_one(self, spec: ParamSpec) -> tuple[Any, list[str]]:
-        """One tensor broadcast from rank 0, and its manifest problems. It is
-        received before it is checked, so a bad name does not leave the
-        trainer hanging in the collective; a bad one must not be loaded."""
-        import torch
-
-        weight = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
-        self.live_group().broadcast(weight, src=0)
-        return weight, self.problems_of([spec])
 
 
 #: Worker methods every engine reaches through `collective_rpc`.

@@ -8,7 +8,7 @@ import inspect
 
 from engines.base import RolloutEngine
 from engines.weight_api import WeightApi
-from engines.weight_sync.protocol import transports
+from engines.weight_sync.factory import transports
 from engines.weight_sync.session import WeightSync
 from engines.weight_sync.worker import WorkerWeights
 from engines.worker_extension import WeightSyncWorkerExtension

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.weight_sync import lora
 from engines.weight_sync.config import DEFAULT_GROUP_NAME
 from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.formats import ipc_handles as ipc
 from engines.weight_sync.formats.manifest import Manifest, ParamSpec, torch_dtype
+from engines.weight_sync.lora import engine as lora_engine
+from engines.weight_sync.lora import worker as lora_worker
 from engines.weight_sync.protocol import Transport, WorkerAnswer
 from engines.weight_sync.session import WeightSync
 from engines.weight_sync.worker import WorkerWeights
@@ -93,8 +94,8 @@ async def update_weights(sync: WeightSync, request: Any) -> None:
                 for n, d, s in zip(names, dtypes, shapes, strict=True)
             )
         )
-        if lora.is_adapter(names):  # a LoRA adapter's tensors (lora.py)
-            adapter = lora.native_spec(sync, names, shapes)
+        if lora_engine.is_adapter(names):  # a LoRA adapter's tensors (lora/)
+            adapter = lora_engine.native_spec(sync, names, shapes)
             if sync.held.get("lora_native") is session:
                 raise WeightSyncError("an adapter comes in one update_weights call per sync")
             sync.held["lora_native"] = session
@@ -121,8 +122,8 @@ async def update_weights(sync: WeightSync, request: Any) -> None:
     else:
         collectives = len(names)
     if adapter is not None:
-        keep = lora.native_keep(sync)
-        await lora.load_adapter(sync, keep, "native_update_weights", plain, adapter.plain())
+        keep = lora_engine.native_keep(sync)
+        await lora_engine.load_adapter(sync, keep, "native_update_weights", plain, adapter.plain())
         return
     await sync.receive(
         "native_update_weights",
@@ -161,7 +162,7 @@ def worker_update_weights(
 ) -> dict:
     """Receive the tensors `info` announces and load them; with `adapter`
     (a LoRA adapter's spec), build the adapter of `version` from them instead
-    (`lora.worker_load`)."""
+    (`lora.worker.worker_load`)."""
     received: dict[str, Any] | None = None if adapter is None else {}
 
     def load(chunk: list[ParamSpec], tensors: list[Any]) -> None:
@@ -193,7 +194,7 @@ def worker_update_weights(
         # The trainer reuses its buffers once we return.
         torch.cuda.synchronize(worker.device)
     if received is not None:
-        return lora.worker_load(worker, adapter, received, version, remove)
+        return lora_worker.worker_load(worker, adapter, received, version, remove)
     return WorkerAnswer(bytes=sum(s.nbytes for s in specs)).plain()
 
 

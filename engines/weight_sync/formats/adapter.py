@@ -1,13 +1,15 @@
-"""A LoRA adapter as weight sync moves it (`lora.py`): its shape
+"""A LoRA adapter as weight sync moves it (`lora/`): its shape
 (`LoraSpec`: rank, alpha, target modules, as peft's `LoraConfig`), what a
 trainer of one tells its sender (`LoraSync`), its names on the engines, and
 the peft adapter directory the checkpoint way writes, and the tensors as a
-worker receives them (`received_tensors`).
+worker receives them (`received_tensors`); and the store a worker keeps its
+adapters in (`AdapterStore`), which each backend implements.
 """
 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,9 @@ from engines.weight_sync.errors import WeightTransferError
 from engines.weight_sync.formats import ipc_handles as ipc
 from engines.weight_sync.formats.buckets import Bucket, unpack_bucket
 
+#: How an adapter's tensors reach the engines (`lora/`): a CUDA IPC buffer,
+#: a peft adapter directory, or safetensors bytes inside the call.
+VIAS = ("cuda_ipc", "checkpoint", "inline")
 #: The files of a peft adapter directory.
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -173,3 +178,32 @@ def received_tensors(worker: Any, via: str, payload: Any) -> dict[str, Any] | Pa
             "trainer must send its handle again"
         )
     return held[1]
+
+
+class AdapterStore(ABC):
+    """A worker's LoRA adapters, one per weight version. Each backend
+    implements it (vLLM's LoRA manager: `engines/vllm/adapters.py`; peft on
+    the CPU backend: `engines/hf/adapters.py`), and its worker makes one
+    (`new_adapter_store`, asked by `lora/worker.py` on the first adapter)."""
+
+    @abstractmethod
+    def problems(
+        self, spec: LoraSpec, names: list[str], version: int, remove: list[int]
+    ) -> list[str]:
+        """Why the adapter of `version` (tensors `names`) cannot be loaded
+        once `remove` are removed, one line each; none when it can."""
+
+    @abstractmethod
+    def load(
+        self,
+        version: int,
+        spec: LoraSpec,
+        tensors: dict[str, Any] | PackedAdapter,
+        remove: list[int],
+    ) -> None:
+        """Register the adapter of `version` built from `tensors` (a packed
+        one is copied, never kept), and remove those of `remove`."""
+
+    @abstractmethod
+    def loaded(self) -> list[str]:
+        """The adapters held, by name (`adapter_name`)."""

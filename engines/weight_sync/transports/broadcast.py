@@ -7,14 +7,14 @@ sync. On GPUs the broadcasts run on a stream of their own and two buffers
 take turns on both sides: bucket k+1 is packed (trainer) and received
 (engine) while bucket k is on the wire or being loaded.
 
-Trainer: `BroadcastSender`. Engine actor: `receive_weight_buckets`. Worker:
-`receive_weight_buckets` (the same name, through `collective_rpc`).
+Trainer: `BroadcastSender` (here). Engine actor: `receive_weight_buckets`.
+Worker: `receive_weight_buckets` (the same name, through `collective_rpc`);
+both in `broadcast_receive.py`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from engines.client import call_engines, raise_first_error
@@ -34,7 +34,6 @@ from engines.weight_sync.formats.buckets import (
     iter_buckets,
     pack_bucket,
     plan_buckets,
-    unpack_bucket,
 )
 from engines.weight_sync.formats.checksum import device_sums, finish_checksums
 from engines.weight_sync.formats.manifest import Manifest
@@ -42,14 +41,14 @@ from engines.weight_sync.group import WeightGroup, listen, rendezvous_address
 from engines.weight_sync.probe import ProbeReference
 from engines.weight_sync.protocol import (
     Begun,
-    Received,
     SenderOptions,
     SyncReport,
     Transport,
-    WorkerAnswer,
 )
-from engines.weight_sync.session import WeightSync, validated
-from engines.weight_sync.worker import WorkerWeights
+from engines.weight_sync.transports.broadcast_receive import (
+    receive_weight_buckets,
+    worker_receive_buckets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -311,81 +310,6 @@ class BroadcastTransfer:
             buckets=len(self.plan.buckets),
             probe=self.coordinator.probe_result(),
         )
-
-
-# --- engine actor --------------------------------------------------------------------------
-async def receive_weight_buckets(sync: WeightSync, plan: dict, verify: bool = True) -> Received:
-    """Receive a whole bucket plan over the weight group (the trainer
-    broadcasts the buckets right after calling this)."""
-    # Most syncs send the plan of the last one: a comparison, no validation.
-    if sync.held.get("broadcast") != plan:
-        validated(BucketPlan, plan, sync.name)
-        sync.held["broadcast"] = plan
-    # One call receives every bucket: the deadline grows with their number.
-    timeout = sync.rpc_timeout() * max(1, len(plan["buckets"]))
-    return await sync.receive("receive_weight_buckets", plan, bool(verify), timeout_s=timeout)
-
-
-# --- worker --------------------------------------------------------------------------------
-def worker_receive_buckets(worker: WorkerWeights, plan: dict, verify: bool = True) -> dict:
-    """Every bucket of the plan arrives as one broadcast of a flat buffer, is
-    unpacked into views and loaded. Two buffers take turns, so bucket k+1 is
-    on the wire while bucket k is loaded."""
-    held = worker.held.get("broadcast")
-    if held is None or held[0] != plan:
-        # Validated once per layout: most syncs send the plan of the last.
-        held = worker.held["broadcast"] = (plan, BucketPlan.model_validate(plan))
-    group = worker.live_group()  # fail before anything is allocated
-    answer = _receive_buckets(worker, held[1], group, verify)
-    # The receive buffers (two buckets) go back to the GPU.
-    worker.empty_cache()
-    return worker.answer(answer, verify)
-
-
-def _receive_buckets(
-    worker: WorkerWeights, plan: BucketPlan, group: WeightGroup, verify: bool
-) -> WorkerAnswer:
-    import torch
-
-    # vLLM's layerwise reload keeps a layer's tensors until the layer is whole,
-    # maybe past the next bucket: then each bucket gets a buffer of its own.
-    reuse = worker.replays()
-    size = max(b.nbytes for b in plan.buckets) if reuse else 0
-    buffers = [torch.empty(size, dtype=torch.uint8, device=worker.device) for _ in plan.buckets[:2]]
-    in_flight = []
-    times = {"wait_s": 0.0, "load_s": 0.0}
-
-    def load(index: int, bucket, flat, pending) -> None:
-        # Waiting here (with the group's deadline) keeps load_weights from
-        # queueing behind a broadcast that may never finish.
-        mark = time.monotonic()
-        group.wait(pending)
-        waited = time.monotonic()
-        if verify:
-            # One checksum per bucket, as the trainer packed it: a few calls
-            # per sync instead of several per tensor on this critical path.
-            worker.record_wire([(bucket_key(index), flat)])
-        worker.load(unpack_bucket(bucket, flat))
-        # Host time: what the wire waits for while this worker queues work.
-        times["wait_s"] += waited - mark
-        times["load_s"] += time.monotonic() - waited
-
-    for index, bucket in enumerate(plan.buckets):
-        if not reuse:
-            buffers[index % 2] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=worker.device)
-        flat = buffers[index % 2][: bucket.nbytes]
-        # Starts after the loads already queued on this stream, so the
-        # buffer's previous bucket is consumed before it is overwritten.
-        in_flight.append((index, bucket, flat, group.start_broadcast(flat, src=0)))
-        if len(in_flight) == 2:
-            load(*in_flight.pop(0))
-    for received in in_flight:
-        load(*received)
-    mark = time.monotonic()
-    if worker.device.type == "cuda":
-        torch.cuda.synchronize(worker.device)
-    times["load_s"] += time.monotonic() - mark
-    return WorkerAnswer(bytes=plan.nbytes, times=times)
 
 
 def new_sender(options: SenderOptions) -> BroadcastSender:

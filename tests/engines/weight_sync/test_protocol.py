@@ -1,18 +1,14 @@
-"""The protocol's registry and choices (no processes): which transport a
-trainer uses where, its sender from the registry, and the one report."""
+"""The transports' registry and choices (factory.py, no processes): which
+transport a trainer uses where, its sender from the registry; and the
+protocol's one report."""
 
 from __future__ import annotations
 
 import pytest
 
 from engines.weight_sync import BroadcastSender, CheckpointSender, CudaIpcSender, SyncConfig
-from engines.weight_sync.protocol import (
-    SenderOptions,
-    SyncReport,
-    new_sender,
-    trainer_transports,
-    transport_for,
-)
+from engines.weight_sync.factory import new_sender, trainer_transports, transport_for
+from engines.weight_sync.protocol import SenderOptions, SyncReport
 
 
 def options(**kwargs) -> SenderOptions:

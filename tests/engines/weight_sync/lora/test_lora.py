@@ -1,4 +1,4 @@
-"""LoRA adapter-only sync (engines/weight_sync/lora.py): the adapter's shape
+"""LoRA adapter-only sync (engines/weight_sync/lora/): the adapter's shape
 and the engine's bookkeeping alone, then real CPU engines (local Ray, the
 tiny model, peft) synced by the reference policy training an adapter, over
 every way an adapter travels on a CPU box (inline, a peft directory)."""
@@ -23,7 +23,7 @@ from engines.weight_sync import (
     WeightSyncError,
 )
 from engines.weight_sync.formats.adapter import save_adapter
-from engines.weight_sync.lora import AdapterVersions
+from engines.weight_sync.lora.engine import AdapterVersions
 from training.grpo import token_logprobs
 from training.policy import ReferencePolicy
 

@@ -201,7 +201,7 @@ def test_a_wrong_shape_is_refused_before_any_byte_moves(engine, trainer):
     assert torch.equal(after["model.norm.weight"], before["model.norm.weight"])
 
 
-# --- a LoRA adapter over vLLM's API (engines/weight_sync/lora.py) ----------------------------
+# --- a LoRA adapter over vLLM's API (engines/weight_sync/lora/) ----------------------------
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model, ray_local_module):
     engines = create_vllm_engines(

@@ -1,0 +1,151 @@
+"""The trainer side of a LoRA adapter's sync (`LoraSender`), `via` one of
+`formats.adapter.VIAS`: the way the trainer's full-weight transport moves
+bytes (`VIA_OF_TRANSPORT`)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from engines.weight_sync.config import SyncConfig
+from engines.weight_sync.coordinator import (
+    Coordinator,
+    ManifestCache,
+    Phases,
+    as_engine_list,
+    trainer_weights,
+)
+from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.formats import ipc_handles as ipc
+from engines.weight_sync.formats.adapter import VIAS, LoraSync, save_adapter
+from engines.weight_sync.formats.buckets import ALIGN, Bucket, pack_bucket, plan_buckets
+from engines.weight_sync.probe import ProbeResult
+from engines.weight_sync.protocol import SenderOptions, SyncReport
+
+#: The trainer's full-weight transport -> how its adapter travels instead.
+VIA_OF_TRANSPORT = {"cuda_ipc": "cuda_ipc", "checkpoint": "checkpoint", "broadcast": "inline"}
+
+
+class LoraSender:
+    """Sends an adapter (not the model) at every sync, `via` one of `VIAS`;
+    one call per engine (begin, receive and, for one engine, commit)."""
+
+    def __init__(
+        self, via: str, lora: LoraSync, config: SyncConfig, checkpoint_dir: str | None = None
+    ):
+        if via not in VIAS:
+            raise ValueError(f"via must be one of {VIAS}, got {via!r}")
+        if via == "checkpoint" and checkpoint_dir is None:
+            raise ValueError("via 'checkpoint' needs a checkpoint_dir")
+        self.via, self.lora, self.config = via, lora, config
+        self.checkpoint_dir = checkpoint_dir
+        self.transport = f"lora-{via}"
+        self.engines: list[Any] = []
+        # cuda_ipc: (manifest, bucket, buffer) of the packed buffer the
+        # engines keep mapped, and its name.
+        self._manifests = ManifestCache()
+        self._packed: tuple[Any, Bucket, Any] | None = None
+        self._mapping: str | None = None
+        self._mapped = False
+
+    def init(self, engines: list[Any]) -> None:
+        if not engines:
+            raise ValueError("no engines to sync")
+        self.close()
+        self.engines = as_engine_list(engines)
+
+    def summary(self) -> dict[str, Any]:
+        return {"lora": self.lora.spec.plain(), "keep": self.lora.keep, "via": self.via}
+
+    def close(self) -> None:
+        if self.engines and self._mapped:
+            from engines.client import call_engines
+
+            call_engines(self.engines, "release_lora_buffer", timeout_s=self.config.timeout_s)
+        self._packed = self._mapping = None
+        self._mapped = False
+        self.engines = []
+
+    def _payload(self, weights: list[tuple[str, Any]], version: int) -> Any:
+        if self.via == "inline":
+            from safetensors.torch import save
+
+            return save({n: t.contiguous().cpu() for n, t in weights})
+        if self.via == "checkpoint":
+            return str(
+                save_adapter(
+                    weights, self.lora.spec, Path(self.checkpoint_dir, f"lora-v{version:06d}")
+                )
+            )
+        return self._pack(weights)
+
+    def _pack(self, weights: list[tuple[str, Any]]) -> bytes:
+        """One buffer of every tensor (a broadcast bucket's layout), kept
+        across syncs: the engines map it once, so a later sync sends only
+        its name and opens nothing."""
+        import torch
+
+        if not all(t.is_cuda for _, t in weights):
+            raise ValueError("CUDA IPC sends an adapter on a GPU")
+        manifest = self._manifests.of(weights)
+        if self._packed is None or self._packed[0] is not manifest:
+            room = manifest.nbytes + ALIGN * len(manifest.params)  # one bucket
+            (bucket,) = plan_buckets(manifest, room).buckets
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=weights[0][1].device)
+            self._packed = (manifest, bucket, buffer)
+            self._mapping, self._mapped = uuid.uuid4().hex, False
+        _, bucket, buffer = self._packed
+        pack_bucket(bucket, dict(weights), out=buffer)
+        torch.cuda.synchronize(buffer.device)  # the engines read it from another process
+        if self._mapped:
+            return ipc.dumps({"mapping": self._mapping, "handles": None, "bucket": None})
+        layout = bucket.model_dump(mode="json")
+        return ipc.dumps({"mapping": self._mapping, "handles": ipc.share(buffer), "bucket": layout})
+
+    def sync(self, weights: Any, version: int, probe: Any = None) -> SyncReport:
+        # `probe` is not run: an adapter version is served from its commit
+        # on, after the point where the engines run the probe.
+        if not self.engines:
+            raise WeightSyncError("call init(engines) before sync")
+        weights = trainer_weights(weights)
+        self.lora.spec.check_tensors(weights)
+        phases = Phases()
+        payload = self._payload(weights, version)
+        phases.done("pack")
+        wake = self.via == "cuda_ipc"  # colocated engines may sleep during training
+        coordinator = Coordinator(self.engines, self.config)
+        self._mapped = False  # the engines drop the buffer if the sync fails
+        args = (version, self.lora.spec.plain(), self.via, payload, self.lora.keep)
+        received = coordinator.begin_and_receive(
+            version,
+            None,
+            "receive_lora_adapter",
+            args,
+            wake=["weights"] if wake else None,
+            wake_after=["kv_cache"] if wake else None,
+        )
+        self._mapped = self.via == "cuda_ipc"
+        # Moments compare clocks: only colocated engines (CUDA IPC) share the trainer's.
+        stamps = ("actor_in_at", "worker_in_at", "loaded_at", "actor_out_at") if wake else ()
+        phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s", *stamps)
+        phases.done("transfer")
+        if not received[0].committed:
+            coordinator.finish(version, wake=["kv_cache"] if wake else None)
+            phases.done("finish")
+        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        skipped = ProbeResult("skipped", note="adapter syncs are not probed")
+        return phases.report(
+            version, self.transport, len(self.engines), nbytes=nbytes, verified=False, probe=skipped
+        )
+
+
+def new_sender(transport: str, options: SenderOptions) -> LoraSender:
+    """The adapter's sender in place of `transport`'s (the trainer's placement)."""
+    if transport not in VIA_OF_TRANSPORT:
+        raise ValueError(
+            f"a LoRA adapter syncs over one of {tuple(VIA_OF_TRANSPORT)}, not {transport!r}"
+        )
+    return LoraSender(
+        VIA_OF_TRANSPORT[transport], options.lora, options.config, options.checkpoint_dir
+    )

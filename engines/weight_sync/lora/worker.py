@@ -1,0 +1,78 @@
+"""A worker's side of a LoRA adapter's sync: the adapter's tensors received
+(`formats.adapter.received_tensors`), checked and loaded into the store of
+the worker's backend (`AdapterStore`, made by its host's `new_adapter_store`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engines.weight_sync.formats.adapter import (
+    AdapterStore,
+    LoraSpec,
+    PackedAdapter,
+    received_tensors,
+)
+from engines.weight_sync.formats.checksum import nbytes_of
+from engines.weight_sync.protocol import WorkerAnswer
+from engines.weight_sync.worker import WorkerWeights
+
+
+def adapter_store(worker: WorkerWeights) -> AdapterStore:
+    """The worker's adapters, in its backend's store (vLLM's LoRA manager or
+    peft: the host makes it), made on first use."""
+    if worker.adapters is None:
+        worker.adapters = worker.host.new_adapter_store()
+    return worker.adapters
+
+
+def worker_receive_lora(
+    worker: WorkerWeights, spec: dict, via: str, payload: Any, version: int, remove: list[int]
+) -> dict:
+    """Receive the adapter of `version` `via` one of `VIAS`, then `worker_load`."""
+    started = time.monotonic()
+    tensors = received_tensors(worker, via, payload)
+    return worker_load(worker, spec, tensors, version, remove, time.monotonic() - started)
+
+
+def worker_load(
+    worker: WorkerWeights,
+    spec: dict,
+    tensors: dict[str, Any] | PackedAdapter,
+    version: int,
+    remove: list[int],
+    open_s: float = 0.0,
+) -> dict:
+    """Build the adapter of `version` from `tensors` (owned by this worker,
+    or the trainer's mapped buffer, which the store copies) and register it;
+    remove the versions in `remove`. A bad adapter (a target module the model
+    has not, too many adapters) changes nothing and is answered as problems.
+    `times`: seconds, and `*_at` moments (monotonic, one clock for every
+    process of the host) the trainer turns into offsets into its sync."""
+    opened = time.monotonic()
+    store = adapter_store(worker)
+    checked = LoraSpec.of(spec)
+    packed = isinstance(tensors, PackedAdapter)
+    names = tensors.names() if packed else list(tensors)
+    problems = store.problems(checked, names, version, remove)
+    if problems:
+        return WorkerAnswer(problems=problems, holds_sync_state=False).plain()
+    store.load(version, checked, tensors, remove)
+    if worker.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(worker.device)  # the copy out of the trainer's buffer is done
+    nbytes = tensors.nbytes if packed else sum(nbytes_of(t) for t in tensors.values())
+    done = time.monotonic()
+    times = {"open_s": open_s, "load_s": done - opened}
+    times.update(worker_in_at=opened - open_s, loaded_at=done)
+    return WorkerAnswer(bytes=nbytes, holds_sync_state=False, times=times).plain()
+
+
+def worker_release_buffer(worker: WorkerWeights) -> None:
+    worker.held.pop("lora_ipc", None)
+
+
+def worker_lora_adapters(worker: WorkerWeights) -> list[str]:
+    return adapter_store(worker).loaded() if worker.adapters is not None else []
