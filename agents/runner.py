@@ -1,11 +1,13 @@
-"""Agents in the flow: each prompt's `n` sessions run an agent, and what the
-engines sampled in them comes back as trajectories (engines/trajectory.py).
+"""Running agents in the flow: each prompt's `n` sessions run an agent, and
+what the engines sampled in them comes back as trajectories
+(engines/trajectory.py).
 
 Two kinds of agent:
 
 - `--agent module:function` (or `file.py:function`): an async function
   `agent(client: openai.AsyncOpenAI, row: dict) -> AgentResult` (or a
-  `(reward, info)` tuple). Its client is bound to its own session on the
+  `(reward, info)` tuple; agents/contract.py), found by its reference
+  (agents/loading.py). Its client is bound to its own session on the
   run's router (`<router>/sessions/<id>/v1`), so every request of the session
   lands on one engine and the router keeps its exact tokens; `row` is the
   prompt's input row. After the call the flow takes the session's
@@ -21,43 +23,25 @@ deadline.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from agents.contract import AgentError, AgentFunction, as_result
+from agents.loading import AgentRef
 from engines.trajectory import TrajectorySample
-from training.rewards import import_file
 
 #: Deadline of one call to the router (taking a trajectory).
 ROUTER_CALL_TIMEOUT_S = 30.0
-
-
-class AgentError(RuntimeError):
-    """An agent raised, passed its deadline or returned something else than a result."""
-
-
-@dataclass(frozen=True)
-class AgentResult:
-    """What an agent returns: the session's reward, and anything to log."""
-
-    reward: float
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-AgentFunction = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
 class AgentPlan:
     """Plain data: how an iteration's sessions reach the engines."""
 
-    #: "module:function" or "file.py:function" (absolute), or None with `func_path`.
-    agent: str | None
+    #: The `--agent` function's reference (each task loads it), or None with `func_path`.
+    agent: AgentRef | None
     #: OpenRLHF's AgentInstanceBase file (absolute), or None with `agent`.
     func_path: str | None
     timeout_s: float
@@ -81,46 +65,6 @@ class AgentSession:
     samples: list[TrajectorySample]
     reward: float
     info: dict[str, Any]
-
-
-def load_agent(path: str) -> AgentFunction:
-    """The async function at `path` ("module:function" or "file.py:function");
-    a clear error before anything starts when it does not import or is not async."""
-    if not isinstance(path, str) or path.count(":") != 1:
-        raise ValueError(
-            f"agent must be 'package.module:function' or 'file.py:function', got {path!r}"
-        )
-    module_name, attr = path.split(":")
-    try:
-        if module_name.endswith(".py"):
-            module = import_file(module_name)
-        else:
-            module = importlib.import_module(module_name)
-    except (ImportError, OSError) as exc:
-        raise ValueError(f"agent {path!r}: cannot import {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"agent {path!r}: {module_name} has no callable {attr!r}")
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"agent {path!r} is not async: it must be 'async def {attr}(client, row)'")
-    return fn
-
-
-def check_func_path(path: str) -> str:
-    """OpenRLHF's agent file, absolute: it must exist and be a .py file."""
-    location = Path(path)
-    if location.suffix != ".py" or not location.is_file():
-        raise ValueError(f"agent_func_path {path!r}: no Python file at {location.absolute()}")
-    return str(location.absolute())
-
-
-def as_result(value: Any, where: str) -> AgentResult:
-    """An agent's return value as an `AgentResult` (a `(reward, info)` tuple too)."""
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
-        value = AgentResult(float(value[0]), dict(value[1]))
-    if not isinstance(value, AgentResult):
-        raise AgentError(f"{where} returned {value!r}: expected AgentResult or (reward, info)")
-    return value
 
 
 async def run_session(
@@ -189,7 +133,7 @@ def run_prompt(
 ) -> list[AgentSession]:
     """A prompt's sessions, concurrently (in a Ray task: the dispatch waits
     on one ref per prompt, and an agent's blocking code stalls no flow thread)."""
-    agent = load_agent(plan.agent) if plan.agent is not None else None
+    agent = plan.agent.load() if plan.agent is not None else None
 
     async def one(session_id: str) -> AgentSession:
         if agent is None:

@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agents.runner import AgentResult
+from agents.contract import AgentResult
 
 ALPHABET = "ab"
 DATA_SOURCE = "tool_task"

@@ -38,10 +38,14 @@ class SamplingSection(BaseModel):
     model_config = SECTION
 
     n: int = sampled("n", title="Samples per prompt")
-    temperature: float = sampled("temperature")
+    temperature: float = sampled(
+        "temperature", description="0 means greedy. The default of --agent sessions' requests."
+    )
     top_p: float = sampled("top_p")
     top_k: int = sampled("top_k")
-    max_tokens: int = sampled("max_tokens", 64, description="Response tokens at most.")
+    max_tokens: int = sampled(
+        "max_tokens", 64, description="Response tokens at most; --agent sessions' default too."
+    )
     ignore_eos: bool = sampled("ignore_eos", description="Keep generating past end-of-sequence.")
     logprobs: int | None = sampled(
         "logprobs",
@@ -204,8 +208,9 @@ class TrainingParams(BaseModel):
         None,
         description="Agent function, 'module:function' or 'file.py:function': async "
         "agent(client: openai.AsyncOpenAI, row: dict) -> AgentResult (or (reward, info)). "
-        "Each of a prompt's n samples is a session of its own on the run's router; the "
-        "engines serve the OpenAI API. Its reward replaces --reward.",
+        "Each of a prompt's n samples is a session of its own on the run's router (the "
+        "engines serve the OpenAI API); a request setting no max_tokens or temperature gets "
+        "the run's. Its reward replaces --reward.",
         examples=["agents.tool_task:agent"],
     )
     agent_func_path: str | None = Field(

@@ -19,7 +19,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic.json_schema import SkipJsonSchema
 
-from agents.runner import AgentPlan, check_func_path, load_agent
+from agents.loading import AgentRef, check_func_path, load_agent
+from agents.runner import AgentPlan
 from engines import EngineSetSpec, Placement, PlacementMode
 from engines.weight_sync import transport_for
 from flows.hooks import sweep_engines
@@ -142,7 +143,7 @@ class SideActors:
         if not training.agentic:
             return None
         plan = AgentPlan(
-            agent=absolute(training.agent) if training.agent else None,
+            agent=AgentRef.parse(training.agent) if training.agent else None,
             func_path=check_func_path(training.agent_func_path)
             if training.agent_func_path
             else None,
@@ -154,9 +155,13 @@ class SideActors:
         if training.agent:
             # Imported here: only agent runs serve HTTP (fastapi, uvicorn).
             from agents.router.actor import start_router
+            from agents.router.proxy import SessionDefaults
 
             api_key = pool.engines.api_key
-            self.router = start_router(list(pool.engines), api_key, routing="sticky")
+            # The run's sampling is its sessions' default; a request's own wins.
+            sampling = self.params.sampling
+            defaults = SessionDefaults(sampling.max_tokens, sampling.temperature)
+            self.router = start_router(list(pool.engines), api_key, "sticky", defaults=defaults)
             plan = replace(
                 plan, router_url=self.router.url, api_key=api_key, router=self.router.actor
             )

@@ -22,7 +22,7 @@ import httpx
 import ray
 
 from agents.router.placement import ROUTINGS, RouterStats, Routing
-from agents.router.proxy import SessionProxy, build_app
+from agents.router.proxy import SessionDefaults, SessionProxy, build_app
 from agents.router.transport import AiohttpTransport
 from engines.errors import EngineSpecError
 from engines.serving import OpenAIServer
@@ -61,6 +61,7 @@ class RouterActor:
         routing: Routing,
         request_timeout_s: float,
         start_timeout_s: float,
+        defaults: SessionDefaults,
     ) -> str:
         """Find every engine's endpoint, then serve; returns the router's URL."""
         urls = dict([await self._endpoint(handle, start_timeout_s) for handle in engines])
@@ -76,7 +77,7 @@ class RouterActor:
                 return False
             return True
 
-        self._proxy = SessionProxy(urls, api_key, routing, self._client, alive)
+        self._proxy = SessionProxy(urls, api_key, routing, self._client, alive, defaults)
         proxy = self._proxy
         url = await self._server.start(build_app(proxy), api_key, lambda: proxy.latest_version)
         return url.removesuffix("/v1")
@@ -145,9 +146,11 @@ def start_router(
     *,
     request_timeout_s: float = 600.0,
     start_timeout_s: float = 120.0,
+    defaults: SessionDefaults = SessionDefaults(),  # noqa: B008 - frozen
 ) -> Router:
     """Start the router in front of `engines` (engine actor handles, each
-    serving its OpenAI endpoint with the bearer token `api_key`)."""
+    serving its OpenAI endpoint with the bearer token `api_key`); a
+    session's requests that set no max_tokens or temperature get `defaults`'."""
     if not engines:
         raise EngineSpecError("start_router needs at least one engine, got none")
     if routing not in ROUTINGS:
@@ -163,7 +166,9 @@ def start_router(
     actor = ray.remote(RouterActor).options(num_cpus=0, max_restarts=0).remote()
     try:
         url = ray.get(
-            actor.start.remote(engines, api_key, routing, request_timeout_s, start_timeout_s),
+            actor.start.remote(
+                engines, api_key, routing, request_timeout_s, start_timeout_s, defaults
+            ),
             timeout=start_timeout_s * (len(engines) + 1),
         )
     except BaseException:

@@ -18,7 +18,9 @@ Routing = Literal["sticky", "round_robin"]
 ROUTINGS: tuple[str, ...] = ("sticky", "round_robin")
 
 
-class EngineStats(BaseModel):
+class RoutedEngineStats(BaseModel):
+    """One engine as the router saw it: its requests, sessions and prompt tokens."""
+
     model_config = ConfigDict(frozen=True)
 
     name: str
@@ -36,10 +38,12 @@ class EngineStats(BaseModel):
 
 
 class RouterStats(BaseModel):
+    """The router's placement and every engine's figures (`Router.stats()`)."""
+
     model_config = ConfigDict(frozen=True)
 
     routing: Routing
-    engines: list[EngineStats]
+    engines: list[RoutedEngineStats]
     open_sessions: int
 
     @property
@@ -65,8 +69,9 @@ class NoLiveEngineError(RuntimeError):
     """Every engine is down (or excluded for this request)."""
 
 
-class Placement:
-    """Engine loads, the sessions' engines, and the choice of an engine."""
+class SessionPlacement:
+    """Which engine serves a session's request: engine loads, the sessions'
+    engines, and the choice of an engine."""
 
     def __init__(self, engines: dict[str, str], routing: Routing):
         if routing not in ROUTINGS:
@@ -154,7 +159,7 @@ class Placement:
         return RouterStats(
             routing=self.routing,
             engines=[
-                EngineStats(
+                RoutedEngineStats(
                     name=load.name,
                     url=load.url,
                     alive=load.alive,

@@ -17,7 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from agents.router.placement import NoLiveEngineError, Placement, RouterStats, Routing
+from agents.router.placement import NoLiveEngineError, RouterStats, Routing, SessionPlacement
 from agents.router.turns import TrajectoryBuilder, TurnParseError, describe_split, parse_turn
 from engines.serving import VERSIONS_HEADER, error_body, record_versions
 from engines.trajectory import TrajectorySample
@@ -47,6 +47,27 @@ class ProxyError(Exception):
         self.param = param
 
 
+@dataclass(frozen=True)
+class SessionDefaults:
+    """The run's sampling (`--max-tokens`, `--temperature`) for a session's
+    requests that set none themselves: a request's own values win. None
+    leaves it to the engine."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+
+    def under(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with the defaults it does not set (chat's
+        `max_completion_tokens` sets its max tokens too)."""
+        own = {name for name, value in body.items() if value is not None}
+        body = dict(body)
+        if self.temperature is not None and "temperature" not in own:
+            body["temperature"] = self.temperature
+        if self.max_tokens is not None and not own & {"max_tokens", "max_completion_tokens"}:
+            body["max_tokens"] = self.max_tokens
+        return body
+
+
 @dataclass
 class _Session:
     builder: TrajectoryBuilder = field(default_factory=TrajectoryBuilder)
@@ -57,7 +78,7 @@ class _Session:
 class SessionProxy:
     """Routes requests to engines (`engines`: name -> base URL, without /v1;
     `alive(name)`: whether that engine's actor still serves, asked when its
-    connection is lost)."""
+    connection is lost; `defaults`: the run's sampling for its sessions)."""
 
     def __init__(
         self,
@@ -66,8 +87,10 @@ class SessionProxy:
         routing: Routing,
         client: httpx.AsyncClient,
         alive: Callable[[str], Awaitable[bool]],
+        defaults: SessionDefaults = SessionDefaults(),  # noqa: B008 - frozen
     ):
-        self.placement = Placement(engines, routing)
+        self.placement = SessionPlacement(engines, routing)
+        self.defaults = defaults
         self._alive = alive
         self.api_key = api_key
         self._client = client
@@ -83,7 +106,7 @@ class SessionProxy:
         _check_turn(body, kind)
         session = self._sessions.setdefault(session_id, _Session())
         async with session.lock:
-            forwarded = _asking_ids(body, kind)
+            forwarded = _asking_ids(self.defaults.under(body), kind)
             engine, response, answer = await self._forward(
                 session_id, "POST", _PATHS[kind], forwarded
             )

@@ -6,11 +6,15 @@ suite's two workers each take one of these slow runs)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from rollout_support import REPO, run_params, small_run
 from transformers import AutoTokenizer
 
 from agents import tool_task
-from flows.rollout import rollout
+from agents.loading import AgentRef
+from agents.router.proxy import SessionDefaults
+from flows.rollout import SideActors, rollout
 from tasks.run.shards import read_rows
 
 #: `make run-agent`'s parameters (the CLI's demo preset under --agent).
@@ -23,6 +27,29 @@ TOOL_TASK = {
     "learning_rate": 0.03,
     "n": 8,
 }
+
+
+def test_the_runs_sampling_is_its_agent_sessions_default(monkeypatch):
+    """--max-tokens and --temperature reach the router, for the sessions'
+    requests that set none (agents/router/proxy.py fills them in)."""
+    import agents.router.actor
+
+    started = {}
+
+    def start_router(engines, api_key, routing, defaults):
+        started.update(routing=routing, defaults=defaults)
+        return SimpleNamespace(url="http://router", actor="actor")
+
+    monkeypatch.setattr(agents.router.actor, "start_router", start_router)
+
+    class Engines(list):
+        api_key = "k"
+
+    params = run_params(agent="agents.tool_task:agent", max_tokens=12, temperature=0.3)
+    plan = SideActors(params, None, "tiny").agent_plan(SimpleNamespace(engines=Engines()))
+    assert started == {"routing": "sticky", "defaults": SessionDefaults(12, 0.3)}
+    assert isinstance(plan.agent, AgentRef) and str(plan.agent) == "agents.tool_task:agent"
+    assert (plan.router_url, plan.api_key, plan.router) == ("http://router", "k", "actor")
 
 
 def test_the_tool_task_learns_in_the_flow_and_rows_show_turns_and_masks(

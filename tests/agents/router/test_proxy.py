@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from agents.router.proxy import SessionProxy, build_app
+from agents.router.proxy import SessionDefaults, SessionProxy, build_app
 from engines.serving import ServingMiddleware
 from engines.trajectory import NOT_SAMPLED
 
@@ -96,12 +96,14 @@ class Dying(httpx.AsyncBaseTransport):
 
 
 class Setup:
-    def __init__(self, routing="sticky", rewrite_history=False):
+    def __init__(self, routing="sticky", rewrite_history=False, defaults=None):
         self.apps = {n: fake_engine(n, rewrite_history) for n in ("e0", "e1")}
         self.links = {n: Dying(app) for n, app in self.apps.items()}
         client = httpx.AsyncClient(mounts={f"http://{n}": t for n, t in self.links.items()})
         urls = {n: f"http://{n}" for n in self.apps}
-        self.proxy = SessionProxy(urls, KEY, routing, client, self.alive)
+        self.proxy = SessionProxy(
+            urls, KEY, routing, client, self.alive, defaults or SessionDefaults()
+        )
         # behind the engines' auth and version middleware, as the router actor serves it
         app = ServingMiddleware(build_app(self.proxy), KEY, lambda: self.proxy.latest_version)
         self.transport = httpx.ASGITransport(app)
@@ -166,6 +168,27 @@ def test_a_session_is_recorded_exactly_and_stays_on_its_engine():
     assert setup.proxy.stats().open_sessions == 0
     with pytest.raises(KeyError, match="already taken"):
         run(setup.proxy.take("s1"))
+
+
+def test_a_sessions_requests_take_the_runs_sampling_unless_they_set_their_own():
+    """The run's --max-tokens / --temperature reach an --agent session's
+    requests that set none; a request's own values win; outside a session
+    a request goes as it came."""
+    setup = Setup(defaults=SessionDefaults(max_tokens=12, temperature=0.3))
+    messages = [{"role": "user", "content": "q"}]
+
+    async def go():
+        session = setup.client("s").chat.completions
+        await session.create(model="fake", messages=messages)
+        await session.create(model="fake", messages=messages, max_tokens=5, temperature=0.0)
+        await session.create(model="fake", messages=messages, max_completion_tokens=7)
+        await setup.client(None).chat.completions.create(model="fake", messages=messages)
+
+    run(go())
+    requests = setup.apps["e0"].state.requests + setup.apps["e1"].state.requests
+    sent = [(r.get("max_tokens"), r.get("temperature")) for r in requests]
+    assert sent == [(12, 0.3), (5, 0.0), (None, 0.3), (None, None)]
+    assert requests[2]["max_completion_tokens"] == 7
 
 
 def test_new_sessions_go_to_the_least_loaded_engine():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from agents.router.placement import NoLiveEngineError, Placement
+from agents.router.placement import NoLiveEngineError, SessionPlacement
 
 ENGINES = {"e0": "http://a", "e1": "http://b", "e2": "http://c"}
 
 
 def test_least_loaded_counts_requests_in_flight_before_sessions_held():
-    placement = Placement(ENGINES, "sticky")
+    placement = SessionPlacement(ENGINES, "sticky")
     assert placement.pick("s1") == "e0"
     assert placement.pick("s2") == "e1"  # e0 holds a session
     placement.begin("e2")  # e2 busy with a sessionless request
@@ -27,7 +27,7 @@ def test_least_loaded_counts_requests_in_flight_before_sessions_held():
 
 
 def test_a_session_on_a_down_engine_moves_and_no_engine_left_is_an_error():
-    placement = Placement(ENGINES, "sticky")
+    placement = SessionPlacement(ENGINES, "sticky")
     assert placement.pick("s") == "e0"
     placement.connection_lost("e0", down=False)  # alive: the session stays
     assert placement.pick("s") == "e0"
@@ -41,7 +41,7 @@ def test_a_session_on_a_down_engine_moves_and_no_engine_left_is_an_error():
 
 
 def test_round_robin_skips_down_engines_and_ignores_sessions():
-    placement = Placement(ENGINES, "round_robin")
+    placement = SessionPlacement(ENGINES, "round_robin")
     assert [placement.pick("s") for _ in range(3)] == ["e0", "e1", "e2"]
     placement.connection_lost("e1", down=True)
     assert [placement.pick(None) for _ in range(3)] == ["e0", "e2", "e0"]
@@ -49,11 +49,11 @@ def test_round_robin_skips_down_engines_and_ignores_sessions():
 
 def test_an_unknown_routing_is_refused():
     with pytest.raises(ValueError, match="routing must be one of"):
-        Placement(ENGINES, "hash")
+        SessionPlacement(ENGINES, "hash")
 
 
 def test_an_engine_added_or_back_takes_requests():
-    placement = Placement({"e0": "http://a"}, "round_robin")
+    placement = SessionPlacement({"e0": "http://a"}, "round_robin")
     placement.connection_lost("e0", down=True)
     placement.add("e0", "http://a2")  # restarted, a new port
     placement.add("e1", "http://b")
@@ -63,7 +63,7 @@ def test_an_engine_added_or_back_takes_requests():
 
 
 def test_a_removed_engine_gets_nothing_and_its_sessions_move():
-    placement = Placement(ENGINES, "sticky")
+    placement = SessionPlacement(ENGINES, "sticky")
     assert placement.pick("s1") == "e0"
     placement.begin("e0")  # a request in flight when e0 is removed
     placement.remove("e0")
