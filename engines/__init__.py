@@ -1,5 +1,12 @@
 """Rollout engines as Ray actors: vLLM on GPUs, a transformers backend on CPUs,
-behind one actor API (see `engines.base.RolloutEngine`)."""
+behind one actor API (see `engines.base.RolloutEngine`).
+
+Exported here: what `tasks/`, `agents/` and `training/` use of the engines:
+an engine set's spec, start and repair (`engines.lifecycle`), calls to the
+engines and their errors, sampling and outputs, the engines' load, the
+trajectory an agent session records, the OpenAI server an actor runs, and
+OpenRLHF's engine-set API (`engines.openrlhf`). Weight sync is
+`engines.weight_sync`'s."""
 
 import time
 
@@ -23,20 +30,25 @@ from engines.errors import (  # noqa: E402
     PromptTooLongError,
     RequestError,
 )
-from engines.lifecycle.engine_set import (  # noqa: E402
+from engines.lifecycle import (  # noqa: E402
     EngineSet,
+    EngineSetSpec,
+    Placement,
+    PlacementMode,
+    check_cluster_fits,
     destroy_engines,
     replace_engine,
     resolve_backend,
     restart_engine,
     start_engine_set,
+    swap_in_spare,
 )
-from engines.lifecycle.placement import Placement, PlacementMode, check_cluster_fits  # noqa: E402
-from engines.lifecycle.spares import swap_in_spare  # noqa: E402
-from engines.lifecycle.spec import EngineSetSpec  # noqa: E402
-from engines.openrlhf.vllm_engine import batch_vllm_engine_call, create_vllm_engines  # noqa: E402
-from engines.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from engines.load import EngineLoad  # noqa: E402
+from engines.openrlhf import batch_vllm_engine_call, create_vllm_engines  # noqa: E402
+from engines.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from engines.sampling import SamplingParams  # noqa: E402
+from engines.serving import OpenAIServer  # noqa: E402
+from engines.trajectory import NOT_SAMPLED, TrajectorySample, TurnSpan  # noqa: E402
 
 __all__ = [
     "BackendUnavailableError",
@@ -44,18 +56,24 @@ __all__ = [
     "EngineCallResult",
     "EngineDeadError",
     "EngineFailure",
-    "EngineStaleError",
+    "EngineLoad",
     "EngineSet",
     "EngineSetSpec",
     "EngineSleepingError",
     "EngineSpecError",
+    "EngineStaleError",
     "EngineTimeoutError",
+    "Logprob",
+    "NOT_SAMPLED",
+    "OpenAIServer",
     "Placement",
     "PlacementMode",
     "PromptTooLongError",
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "TrajectorySample",
+    "TurnSpan",
     "batch_vllm_engine_call",
     "call_engines",
     "check_cluster_fits",

@@ -4,6 +4,13 @@ engine runs as one (async) Ray actor.
 Method names and arguments follow OpenRLHF's `LLMRayActor` where it has them,
 so code written against OpenRLHF's engines drives ours unchanged. Optional
 hooks default to no-ops; `health()` raises when the engine cannot serve.
+
+This module holds generation, the engine's start and restart in its actor,
+health and worker RPCs, and the checks every request passes; the actor's
+other methods come from the classes `RolloutEngine` inherits, each in its
+own module: pause and sleep (`engines.control`), the OpenAI endpoint
+(`engines.serving`), weight sync (`engines.weight_api`), OpenRLHF's agent
+rollouts (`engines.openrlhf.agents`).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any
 
 from engines.admission import Admission
 from engines.config import EngineConfig
+from engines.control import ControlApi
 from engines.errors import (
     EngineDeadError,
     EngineSleepingError,
@@ -26,68 +34,12 @@ from engines.load import EngineLoad
 from engines.openrlhf.agents import AgentApi
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
-from engines.serving import OpenAIServer
+from engines.serving import EndpointApi
 from engines.startup import StartupClock, StartupReport
 from engines.weight_api import WeightApi
 from engines.weight_sync.session import WeightSync
 
 logger = logging.getLogger(__name__)
-
-# What sleep releases and `wake_up(tags)` restores (vLLM's tag names).
-SLEEP_TAGS = frozenset({"weights", "kv_cache"})
-
-
-def check_sleep_level(level: int) -> None:
-    if level not in (1, 2):
-        raise RequestError(f"sleep level must be 1 or 2, got {level!r}")
-
-
-def wake_tags(tags: list[str] | None) -> set[str]:
-    """The tags a `wake_up(tags)` call wakes (all when None)."""
-    chosen = set(tags) if tags is not None else set(SLEEP_TAGS)
-    unknown = chosen - SLEEP_TAGS
-    if unknown:
-        raise RequestError(f"unknown wake_up tags {sorted(unknown)}; use {sorted(SLEEP_TAGS)}")
-    return chosen
-
-
-def wait_turn(after: list[Any], timeout_s: float, name: str, clock: StartupClock) -> None:
-    """Engines that share a GPU start one at a time: vLLM sizes its KV cache
-    from the GPU's free memory before and after a profiling pass, so one
-    engine's allocations (or a spare's sleep) during another's profiling
-    leave it without a KV cache ("No available memory for the cache
-    blocks"). `after`: the object whose readiness is this engine's turn
-    (the previous engine's `ready`, a spare's sleep); its outcome does not
-    matter, a failed predecessor frees its memory too."""
-    import ray
-
-    done, _ = ray.wait(list(after), timeout=timeout_s)
-    if not done:
-        logger.warning("engine %s starts after %gs without its turn on the GPU", name, timeout_s)
-    clock.mark("its turn on a shared GPU: the engine before it up")
-
-
-def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows: int) -> None:
-    """At start-up: a tokenizer with more tokens than the model's vocabulary
-    (tokens added to it, the model's embeddings not resized with it) has ids
-    the engine cannot serve, and a trainer that resized its embeddings for
-    them will have its sync refused. A vocabulary larger than the tokenizer
-    is padding (vLLM pads its rows to a multiple of 64; the tiny model and
-    many checkpoints ship padded): nothing is wrong, nothing is warned.
-    Warned by each engine; Ray folds the same line from many actors."""
-    if tokenizer_size <= model_vocab:
-        return
-    logger.warning(
-        "engine %s: the tokenizer has %d tokens, the model's vocab_size is %d and the "
-        "engine holds %d embedding rows: token ids >= %d cannot be served, and a trainer "
-        "whose embeddings were resized to the tokenizer's size will have its sync refused: "
-        "save the resized model with its tokenizer and create the engines from it",
-        engine,
-        tokenizer_size,
-        model_vocab,
-        rows,
-        model_vocab,
-    )
 
 
 def normalize_prompts(prompts: Any) -> tuple[list[list[int]], bool]:
@@ -120,15 +72,21 @@ def _token_ids(prompt: Any, i: int) -> list[int]:
     return list(prompt)
 
 
-class RolloutEngine(WeightApi, AgentApi, abc.ABC):
-    """One rollout engine (all its tensor-parallel workers); its weight-sync
-    methods are `WeightApi`'s, OpenRLHF's agent rollouts `AgentApi`'s."""
+class RolloutEngine(ControlApi, EndpointApi, WeightApi, AgentApi, abc.ABC):
+    """One rollout engine (all its tensor-parallel workers); its pause and
+    sleep methods are `ControlApi`'s, its OpenAI endpoint `EndpointApi`'s,
+    its weight-sync methods `WeightApi`'s, OpenRLHF's agent rollouts
+    `AgentApi`'s."""
 
     backend: str = ""
     #: A `restart` in progress, or done (its outcome); `ready` waits for it.
     _restart: asyncio.Future | None = None
-    #: The OpenAI endpoint (`engines.serving`), kept across restarts: its port with it.
-    _openai: OpenAIServer | None = None
+
+    @classmethod
+    def check_settings(cls, engine_kwargs: dict[str, Any], tool_call_parser: str | None) -> None:
+        """Raises `EngineSpecError` for what this backend does not accept; run
+        on the driver before any engine exists (`EngineSetSpec.engine_kwargs_for`).
+        Nothing here: vLLM checks its own engine arguments as it starts."""
 
     def __init__(self, config: EngineConfig):
         # A backend's __init__(config, clock=None) starts its engine, timing
@@ -197,7 +155,7 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
         """Sequences running and waiting, and the KV cache's use: what the
         dispatcher admits more work by."""
 
-    # --- control ------------------------------------------------------------
+    # --- life and health ----------------------------------------------------
     @abc.abstractmethod
     async def health(self) -> dict[str, Any]:
         """Engine state; raises if the engine cannot serve."""
@@ -210,34 +168,6 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
         await self.health()
         await self._serve_openai()
         return self.config.name
-
-    async def openai_url(self) -> str | None:
-        """The engine's OpenAI endpoint, "http://<node ip>:<port>/v1" (started
-        if it was not yet); None without `config.openai_api`."""
-        if self._restart is not None:
-            await asyncio.shield(self._restart)
-        return await self._serve_openai()
-
-    async def _serve_openai(self) -> str | None:
-        if not self.config.openai_api:
-            return None
-        if self._openai is None:
-            self._openai = OpenAIServer(self.config.name)
-        if not self._openai.running:
-            await self._openai.start(
-                self._openai_app(), self.config.api_key, lambda: self.weight_version
-            )
-        return self._openai.url
-
-    async def _stop_openai(self) -> None:
-        """A backend's `shutdown` stops the endpoint first (a restart starts it again)."""
-        if self._openai is not None:
-            await self._openai.stop()
-
-    def _openai_app(self) -> Any:
-        """The backend's OpenAI routes as an ASGI app, without auth (see
-        engines/serving.py, which wraps and serves it)."""
-        raise RequestError(f"backend {self.backend!r} has no OpenAI endpoint yet")
 
     async def restart(self) -> None:
         """Begin starting the engine again inside this actor, after its engine
@@ -279,59 +209,6 @@ class RolloutEngine(WeightApi, AgentApi, abc.ABC):
 
     async def shutdown(self) -> None:  # noqa: B027 - an optional hook
         """Free the engine's resources before the actor is killed."""
-
-    @abc.abstractmethod
-    async def sleep(self, level: int = 1) -> None: ...
-
-    @abc.abstractmethod
-    async def wake_up(self, tags: list[str] | None = None) -> None: ...
-
-    async def wait_gpu_room(self, timeout_s: float) -> float:
-        """Before `wake_up` on a shared GPU: wait until it has room for what
-        waking allocates; returns the seconds waited. No GPU: nothing to wait for."""
-        return 0.0
-
-    async def pause_generation(self, mode: str = "keep") -> None:
-        """Stop admitting new work; requests in flight are frozen where they
-        are ("keep", the default, as OpenRLHF's), run to completion ("wait")
-        or aborted ("abort"). Returns once no request runs a forward pass
-        (see `engines.admission`)."""
-        try:
-            await self._admission.close(mode)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from exc
-
-    async def resume_generation(self) -> None:
-        """Undo one `pause_generation`: the last one lets frozen requests
-        continue (recording the version now served) and new ones in."""
-        await self._admission.open()
-
-    @abc.abstractmethod
-    async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
-        """Logprobs of `token_ids[1:]` on the weights loaded, run past the
-        door (a sync's probe, alongside the first requests let in after it);
-        None when the backend cannot run a request now."""
-
-    def hold_outputs(self) -> None:
-        """Hold every output computed from now (and by the requests inside)
-        until `release_outputs`: a sync's probe has yet to pass the weights."""
-        self._admission.hold()
-
-    def release_outputs(self, error: BaseException | None) -> None:
-        """The probe's verdict: the held outputs go out, or (`error`, the
-        engine marked stale first) each of their calls raises it."""
-        self._admission.settle(error)
-
-    @abc.abstractmethod
-    async def _freeze(self) -> None:
-        """Stop every request in flight between two steps; return once none is in one."""
-
-    @abc.abstractmethod
-    async def _thaw(self) -> None: ...
-
-    @abc.abstractmethod
-    async def _abort_requests(self) -> None:
-        """End every request in flight now, with finish_reason "abort"."""
 
     async def collective_rpc(
         self,

@@ -7,7 +7,8 @@ constant-time compare) and weight-version reporting: every response carries
 `X-Weight-Versions: 3,4` (every version the request ran under, oldest first;
 the version served now for routes that generate nothing), and a non-streaming
 JSON body from a generating route gets a top-level `weight_versions` list.
-A backend's route records its versions with `record_versions`.
+A backend's route records its versions with `record_versions`. The engine
+actor's methods that start and stop it are `EndpointApi`'s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import socket
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
+
+from engines.config import EngineConfig
+from engines.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -240,3 +244,45 @@ class OpenAIServer:
         except TimeoutError:
             self._task.cancel()
         self.url = None
+
+
+class EndpointApi:
+    """The engine actor's OpenAI endpoint, written on a class its backends
+    inherit (`RolloutEngine(..., EndpointApi, ...)`); a backend with one
+    overrides `_openai_app`."""
+
+    backend: str
+    config: EngineConfig
+    weight_version: int
+    #: A `restart` in progress, or done (`RolloutEngine.restart`).
+    _restart: asyncio.Future | None
+    #: The OpenAI endpoint, kept across restarts: its port with it.
+    _openai: OpenAIServer | None = None
+
+    async def openai_url(self) -> str | None:
+        """The engine's OpenAI endpoint, "http://<node ip>:<port>/v1" (started
+        if it was not yet); None without `config.openai_api`."""
+        if self._restart is not None:
+            await asyncio.shield(self._restart)
+        return await self._serve_openai()
+
+    async def _serve_openai(self) -> str | None:
+        if not self.config.openai_api:
+            return None
+        if self._openai is None:
+            self._openai = OpenAIServer(self.config.name)
+        if not self._openai.running:
+            await self._openai.start(
+                self._openai_app(), self.config.api_key, lambda: self.weight_version
+            )
+        return self._openai.url
+
+    async def _stop_openai(self) -> None:
+        """A backend's `shutdown` stops the endpoint first (a restart starts it again)."""
+        if self._openai is not None:
+            await self._openai.stop()
+
+    def _openai_app(self) -> Any:
+        """The backend's OpenAI routes as an ASGI app, without auth (`OpenAIServer`
+        wraps and serves it)."""
+        raise RequestError(f"backend {self.backend!r} has no OpenAI endpoint yet")

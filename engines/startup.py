@@ -6,12 +6,20 @@ The actor's clock starts when its process begins importing this package
 driver can tell Ray's part (scheduling, worker process, runtime_env: from
 its submission to `imports_started`) from ours. Times are wall-clock
 (`time.time()`): the benchmark compares them with the driver's, on one host.
+
+Also the start-up steps both backends take: waiting for their turn on a
+shared GPU (`wait_turn`) and the tokenizer-against-model check
+(`warn_vocab_mismatch`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 #: Set by `engines/__init__.py` before its first import.
 IMPORTS_STARTED: float | None = None
@@ -77,3 +85,42 @@ def actor_clock() -> StartupClock:
     clock = StartupClock(IMPORTS_STARTED)
     clock.mark("imports")
     return clock
+
+
+def wait_turn(after: list[Any], timeout_s: float, name: str, clock: StartupClock) -> None:
+    """Engines that share a GPU start one at a time: vLLM sizes its KV cache
+    from the GPU's free memory before and after a profiling pass, so one
+    engine's allocations (or a spare's sleep) during another's profiling
+    leave it without a KV cache ("No available memory for the cache
+    blocks"). `after`: the object whose readiness is this engine's turn
+    (the previous engine's `ready`, a spare's sleep); its outcome does not
+    matter, a failed predecessor frees its memory too."""
+    import ray
+
+    done, _ = ray.wait(list(after), timeout=timeout_s)
+    if not done:
+        logger.warning("engine %s starts after %gs without its turn on the GPU", name, timeout_s)
+    clock.mark("its turn on a shared GPU: the engine before it up")
+
+
+def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows: int) -> None:
+    """At start-up: a tokenizer with more tokens than the model's vocabulary
+    (tokens added to it, the model's embeddings not resized with it) has ids
+    the engine cannot serve, and a trainer that resized its embeddings for
+    them will have its sync refused. A vocabulary larger than the tokenizer
+    is padding (vLLM pads its rows to a multiple of 64; the tiny model and
+    many checkpoints ship padded): nothing is wrong, nothing is warned.
+    Warned by each engine; Ray folds the same line from many actors."""
+    if tokenizer_size <= model_vocab:
+        return
+    logger.warning(
+        "engine %s: the tokenizer has %d tokens, the model's vocab_size is %d and the "
+        "engine holds %d embedding rows: token ids >= %d cannot be served, and a trainer "
+        "whose embeddings were resized to the tokenizer's size will have its sync refused: "
+        "save the resized model with its tokenizer and create the engines from it",
+        engine,
+        tokenizer_size,
+        model_vocab,
+        rows,
+        model_vocab,
+    )

@@ -274,7 +274,7 @@ def start_and_iterate(
     # them: the engines' placement group is reserved first), and iteration
     # 0's generation does not wait for the policy. A policy on the engines'
     # GPU starts once they are up: its memory would change under their KV
-    # cache sizing (engines.base.wait_turn).
+    # cache sizing (engines.startup.wait_turn).
     if on_policy and not colocate:
         side.start_policy(pool, cluster.backend)
     if params.training.reward:

@@ -15,64 +15,35 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from engines import env
-from engines.base import (
-    SLEEP_TAGS,
-    RolloutEngine,
-    check_sleep_level,
-    wait_turn,
-    wake_tags,
-    warn_vocab_mismatch,
-)
+from engines.base import RolloutEngine
 from engines.config import EngineConfig
+from engines.control import SLEEP_TAGS, check_sleep_level, wake_tags
 from engines.errors import EngineTimeoutError, RequestError
 from engines.hf.loop import GenerationLoop
-from engines.lifecycle.spec import check_hf_kwargs
+from engines.hf.openai.tool_parsers import check_tool_call_parser
+from engines.hf.options import HFOptions, check_hf_kwargs
 from engines.load import EngineLoad
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
-from engines.startup import StartupClock, actor_clock
+from engines.startup import StartupClock, actor_clock, wait_turn, warn_vocab_mismatch
 from engines.weight_sync.lora.engine import adapter_versions
 from engines.weight_sync.probe import sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class HFOptions:
-    """The engine arguments this backend reads (vLLM's others it ignores)."""
-
-    dtype: str
-    max_num_seqs: int
-    # vLLM's: logprobs of the raw distribution, or of the one sampled from
-    # (after temperature, top-k, top-p); at most `max_logprobs` per token.
-    processed_logprobs: bool
-    max_logprobs: int
-    trust_remote_code: bool
-
-    @classmethod
-    def from_engine_kwargs(cls, engine_kwargs: dict[str, Any]) -> HFOptions:
-        kwargs = dict(engine_kwargs)
-        check_hf_kwargs(kwargs)
-        options = cls(
-            dtype=kwargs.pop("dtype", "auto"),
-            max_num_seqs=int(kwargs.pop("max_num_seqs", 64)),
-            processed_logprobs=kwargs.pop("logprobs_mode", "raw_logprobs") != "raw_logprobs",
-            max_logprobs=int(kwargs.pop("max_logprobs", 20)),
-            trust_remote_code=bool(kwargs.pop("trust_remote_code", False)),
-        )
-        if kwargs:
-            logger.info("backend 'hf' ignores vLLM engine arguments %s", sorted(kwargs))
-        return options
-
-
 class HFEngine(RolloutEngine):
     backend = "hf"
+
+    @classmethod
+    def check_settings(cls, engine_kwargs: dict[str, Any], tool_call_parser: str | None) -> None:
+        check_hf_kwargs(engine_kwargs)
+        check_tool_call_parser(tool_call_parser)
 
     def __init__(
         self,

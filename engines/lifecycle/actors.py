@@ -31,7 +31,7 @@ def start_engine(
     after: list[Any] | None = None,
 ) -> Any:
     """Start an engine as a named actor on its bundles (`config.bundle_indices`);
-    `after`: what its engine's start waits for (`base.wait_turn`)."""
+    `after`: what its engine's start waits for (`startup.wait_turn`)."""
     tp = config.tensor_parallel_size
     return (
         ray.remote(backend_class(backend))

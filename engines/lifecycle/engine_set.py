@@ -1,5 +1,7 @@
 """The life of an engine set, whichever the backend: start it from its spec
-(`start_engine_set`), restart or replace one engine, destroy the set.
+(`start_engine_set`), restart or replace one engine, destroy the set. The
+set itself (`EngineSet`) is `engines.lifecycle.handles`'s; its spares start
+and swap in by `engines.lifecycle.spares`.
 
 Everything is checked before anything is created: bad input raises
 `EngineSpecError` naming the bad value and leaves no actor or placement group.
@@ -28,47 +30,12 @@ from engines.errors import (
     EngineTimeoutError,
 )
 from engines.lifecycle.actors import backend_class, kill, start_engine
+from engines.lifecycle.handles import EngineSet
 from engines.lifecycle.placement import EnginePlacement, remove_named_groups
-from engines.lifecycle.spares import Spare, start_spare
+from engines.lifecycle.spares import start_spare
 from engines.lifecycle.spec import EngineSetSpec
 
 logger = logging.getLogger(__name__)
-
-
-class EngineSet(list):
-    """The engine handles (a plain list to callers), plus what it takes to find
-    and clean them up: names, namespace and placement group; and the warm
-    spares, outside the list."""
-
-    def __init__(
-        self,
-        handles: list[Any],
-        *,
-        configs: list[EngineConfig],
-        name_prefix: str,
-        namespace: str,
-        backend: str,
-        placement: EnginePlacement,
-    ):
-        super().__init__(handles)
-        self.configs = configs
-        self.names = [config.name for config in configs]
-        self.name_prefix = name_prefix
-        self.namespace = namespace
-        self.backend = backend
-        self.placement = placement
-        # What spares are made from: the first engine's config as created
-        # (engine i samples with seed `template.seed + i`).
-        self.template = configs[0] if configs else None
-        self.spares: list[Spare] = []
-        # The next actor name index: spares and their successors are named
-        # `<prefix>-<i>` past the engines, so sweeps by name find them too.
-        self.next_index = len(handles)
-
-    @property
-    def api_key(self) -> str | None:
-        """The bearer token of the engines' OpenAI endpoints (None when off)."""
-        return self.template.api_key if self.template else None
 
 
 def resolve_backend(backend: str) -> str:
@@ -165,9 +132,7 @@ def start_engine_set(spec: EngineSetSpec) -> EngineSet:
         spec.backend,
         engines.names,
         spec.namespace,
-        f", and spares {[spare.config.name for spare in engines.lifecycle.spares]}"
-        if engines.spares
-        else "",
+        f", and spares {[spare.config.name for spare in engines.spares]}" if engines.spares else "",
     )
     if spec.sleep:
         try:

@@ -54,7 +54,7 @@ class EnginePlacement:
     @property
     def one_at_a_time(self) -> bool:
         """Engines may share a GPU, so they start one at a time
-        (`base.wait_turn`): placed with their trainer, or on bundles holding
+        (`startup.wait_turn`): placed with their trainer, or on bundles holding
         a fraction of a GPU (Ray may put several on one GPU)."""
         return self.uses_gpu and (
             self.with_trainer

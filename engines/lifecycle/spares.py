@@ -6,36 +6,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engines import naming
 from engines.client import get
-from engines.config import EngineConfig
 from engines.errors import EngineSpecError
 from engines.lifecycle.actors import kill, start_engine
-
-if TYPE_CHECKING:  # the set imports this module to start its spares
-    from engines.lifecycle.engine_set import EngineSet
+from engines.lifecycle.handles import EngineSet, Spare
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Spare:
-    """A warm spare engine: started on bundles reserved for it and put to
-    sleep once up; `asleep` is the ref of that sleep call (it completes when
-    the spare is ready and asleep, or raises if it failed to start)."""
-
-    handle: Any
-    config: EngineConfig
-    asleep: Any
-    started_at: float
-
-
 def start_spare(engines: EngineSet, bundles: list[int], after: list[Any] | None = None) -> Spare:
     """Start a spare on `bundles` (named past the engines) and ask it to sleep
-    once up; it joins `engines.lifecycle.spares`. Sleep level 1 moves a vLLM spare's
+    once up; it joins `engines.spares`. Sleep level 1 moves a vLLM spare's
     weights to host memory and drops its KV cache (the set is created in
     sleep mode when it has spares). `after`: as `start_engine`'s."""
     template = engines.template

@@ -22,8 +22,9 @@ from pydantic import ConfigDict, field_validator, model_validator
 
 from engines.config import EngineSettings, at_least
 from engines.errors import EngineSpecError
+from engines.lifecycle.actors import backend_class
 from engines.lifecycle.placement import Placement
-from engines.openrlhf.agents import check_agent_func_path
+from engines.openrlhf_executor import check_agent_func_path
 
 BACKENDS = ("auto", "vllm", "hf")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -39,11 +40,6 @@ RESERVED_ENGINE_KWARGS = {
     "seed": "seed",
     "worker_extension_cls": None,  # ours carries the weight-sync API
 }
-
-# What the CPU backend does with engine arguments; the rest are vLLM-only
-# (enforce_eager, enable_sleep_mode, ...) and ignored there.
-HF_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 class EngineSetSpec(EngineSettings):
@@ -129,31 +125,9 @@ class EngineSetSpec(EngineSettings):
             kwargs["enable_sleep_mode"] = True
         if self.sleep:
             kwargs["enable_sleep_mode"] = True
-        if backend == "hf":
-            check_hf_kwargs(kwargs)
-            check_hf_tool_parser(self.tool_call_parser)
+        # What only the backend knows it accepts, asked of its class (not its actor).
+        backend_class(backend).check_settings(kwargs, self.tool_call_parser)
         return kwargs
-
-
-def check_hf_kwargs(kwargs: dict[str, Any]) -> None:
-    dtype = kwargs.get("dtype", "auto")
-    if dtype not in HF_DTYPES:
-        raise EngineSpecError(f"dtype={dtype!r} is not one of {list(HF_DTYPES)} (backend 'hf')")
-    mode = kwargs.get("logprobs_mode", LOGPROBS_MODES[0])
-    if mode not in LOGPROBS_MODES:
-        raise EngineSpecError(
-            f"logprobs_mode={mode!r} is not supported by backend 'hf'; use one of "
-            f"{list(LOGPROBS_MODES)}"
-        )
-
-
-def check_hf_tool_parser(name: str | None) -> None:
-    from engines.hf.openai.tool_parsers import TOOL_PARSERS
-
-    if name is not None and name not in TOOL_PARSERS:
-        raise EngineSpecError(
-            f"tool_call_parser={name!r} is not one of backend 'hf''s {sorted(TOOL_PARSERS)}"
-        )
 
 
 #: vLLM's engine-argument dataclasses: `AsyncEngineArgs(EngineArgs)`, both in this file.

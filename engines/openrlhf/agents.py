@@ -20,8 +20,6 @@ OpenRLHF is an optional import (`pip install --no-deps openrlhf==0.11.2`:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,54 +27,13 @@ from typing import Any
 import ray
 
 from engines.client import translate_error
-from engines.errors import EngineSpecError, EngineTimeoutError
+from engines.errors import EngineTimeoutError
+from engines.openrlhf_executor import load_agent_executor
 from engines.trajectory import NOT_SAMPLED, TrajectorySample, TurnSpan
-
-INSTALL_HINT = "pip install --no-deps openrlhf==0.11.2"
 
 #: Deadline of one agent rollout (`run_openrlhf_agent`): every turn's
 #: generation plus the agent's own steps.
 AGENT_TIMEOUT_S = 1800.0
-
-
-def check_agent_func_path(path: Any) -> None:
-    """Before any engine exists: OpenRLHF's agent code importable, and `path`
-    a Python file whose `AgentExecutor` is an `AgentExecutorBase` (the file is
-    loaded once here for that, as the engine loads it again)."""
-    if importlib.util.find_spec("openrlhf") is None:
-        raise EngineSpecError(
-            f"agent_func_path={path!r} runs OpenRLHF's agent executors, and the package "
-            f"openrlhf is not installed: {INSTALL_HINT}"
-        )
-    if not isinstance(path, str) or not path.endswith(".py"):
-        raise EngineSpecError(f"agent_func_path={path!r} must be a Python file (.py)")
-    if not os.path.isfile(path):
-        raise EngineSpecError(f"agent_func_path={path!r} does not exist")
-    load_agent_executor(path)
-
-
-def load_agent_executor(path: str | None) -> Any:
-    """OpenRLHF's executor for `path`: its `_load_agent_executor`
-    (trainer/ray/vllm_engine.py, which imports vLLM at its top, so mirrored
-    here) with errors naming the file, or `SingleTurnAgentExecutor()` for None
-    (OpenRLHF's default; its `remote_rm_url` is refused by our engines)."""
-    from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
-
-    if path is None:
-        return SingleTurnAgentExecutor()
-    spec = importlib.util.spec_from_file_location("agent_module", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise EngineSpecError(f"agent_func_path={path!r} failed to load: {exc!r}") from exc
-    executor = getattr(module, "AgentExecutor", None)
-    if not (isinstance(executor, type) and issubclass(executor, AgentExecutorBase)):
-        raise EngineSpecError(
-            f"agent_func_path={path!r} must define a class AgentExecutor that inherits "
-            f"openrlhf.utils.agent.AgentExecutorBase, got {executor!r}"
-        )
-    return executor()
 
 
 @dataclass

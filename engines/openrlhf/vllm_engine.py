@@ -23,7 +23,8 @@ from ray.util.placement_group import PlacementGroup
 
 from engines.client import call_engines, raise_first_error
 from engines.errors import EngineSpecError
-from engines.lifecycle.engine_set import EngineSet, start_engine_set
+from engines.lifecycle.engine_set import start_engine_set
+from engines.lifecycle.handles import EngineSet
 from engines.lifecycle.placement import Placement
 from engines.lifecycle.spec import EngineSetSpec
 

@@ -8,6 +8,11 @@ executor (TP>1) placed on this engine's bundles (see `engines.env.actor_env_vars
 
 vLLM itself is imported as the engine starts (`engines.vllm.api`): CPU code
 imports this module without it.
+
+This module holds the engine's start and its generation (token ids in,
+`RequestOutput`s out, a LoRA adapter pinned per call, the sync's probe); its
+control (health, sleep, pause, worker calls) is `engines.vllm.control`'s,
+its engine arguments `engines.vllm.args`'.
 """
 
 from __future__ import annotations
@@ -16,47 +21,28 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import ray
-
 from engines import env
-from engines.base import (
-    SLEEP_TAGS,
-    RolloutEngine,
-    check_sleep_level,
-    wait_turn,
-    wake_tags,
-    warn_vocab_mismatch,
-)
 from engines.config import EngineConfig
 from engines.errors import RequestError
 from engines.load import EngineLoad
 from engines.outputs import RequestOutput
-from engines.startup import StartupClock, actor_clock
+from engines.startup import StartupClock, actor_clock, wait_turn, warn_vocab_mismatch
 from engines.vllm import forkserver
 from engines.vllm.adapters import lora_request
-from engines.vllm.api import (
-    VLLMApi,
-    padded_vocab_rows,
-    request_output,
-    vllm_api,
-    vllm_sampling_params,
-    worker_memory,
-)
+from engines.vllm.api import padded_vocab_rows, request_output, vllm_api, vllm_sampling_params
+from engines.vllm.args import engine_args
+from engines.vllm.control import VLLMControl
 from engines.vllm.core import CoreCalls
 from engines.vllm.load import SchedulerLoad
-from engines.vllm.openai_app import AdmittedClient, openai_app
+from engines.vllm.openai_app import openai_app
 from engines.vllm.startup_log import OwnLog, vllm_log_phases
 from engines.weight_sync.lora.engine import adapter_versions
 
 logger = logging.getLogger(__name__)
-
-
-WORKER_EXTENSION = "engines.worker_extension.WeightSyncWorkerExtension"
 
 #: What vLLM's engine core imports as it starts (v0.26.0, one GPU), imported
 #: in the forkserver while the actor imports its own side of vLLM.
@@ -66,46 +52,9 @@ ENGINE_CORE_MODULES = (
     "vllm.v1.worker.gpu_worker",
 )
 
-#: How often `wait_gpu_room` looks at the GPU's free memory.
-ROOM_POLL_S = 0.1
 
-
-def engine_args(api: VLLMApi, config: EngineConfig) -> Any:
-    """vLLM's AsyncEngineArgs for this engine: its config, then the caller's
-    engine arguments."""
-    kwargs = dict(config.engine_kwargs)
-    if config.enable_lora:
-        kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank)
-        # Room for the adapter served while the next one loads (weight_sync/lora/).
-        kwargs.setdefault("max_cpu_loras", kwargs.get("max_loras", 1) + 1)
-    # One GPU: the worker lives in the engine-core process ("uni"). More:
-    # vLLM's Ray executor places one worker actor per bundle (the bundles
-    # come from VLLM_RAY_BUNDLE_INDICES in this actor's runtime_env).
-    kwargs.setdefault(
-        "distributed_executor_backend", "uni" if config.tensor_parallel_size == 1 else "ray"
-    )
-    # vLLM logs throughput every few seconds by default; in an engine
-    # actor those lines flood the driver's log. Callers may turn it back on.
-    kwargs.setdefault("disable_log_stats", True)
-    if config.gpu_memory_utilization is not None:  # None: vLLM's default
-        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    if config.quantization is not None:  # None: as the checkpoint says
-        kwargs["quantization"] = config.quantization
-    return api.vllm.AsyncEngineArgs(
-        model=config.pretrain,
-        max_model_len=config.max_len,
-        seed=config.seed,
-        tensor_parallel_size=config.tensor_parallel_size,
-        enable_prefix_caching=config.enable_prefix_caching,
-        worker_extension_cls=WORKER_EXTENSION,
-        **kwargs,
-    )
-
-
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(VLLMControl):
     backend = "vllm"
-    #: The OpenAI app's engine client, once `_openai_app` built it.
-    _http: AdmittedClient | None = None
 
     def __init__(
         self,
@@ -239,92 +188,15 @@ class VLLMEngine(RolloutEngine):
     def _openai_app(self) -> Any:
         """vLLM's own OpenAI app on this engine's AsyncLLM (engines/vllm/openai_app.py).
         Bound to the AsyncLLM it is built on: build it again after a `restart`."""
-        app, self._http = openai_app(self)
+        app, self._http = openai_app(
+            self.config, self.engine, self._admission, lambda: self.check_request([], None)
+        )
         return app
 
     async def load(self) -> EngineLoad:
         return self._load.load(self.engine.output_processor.get_num_unfinished_requests())
 
-    # --- control ------------------------------------------------------------------
-    async def health(self) -> dict[str, Any]:
-        self._core.raise_if_dead()
-        info = self.base_health()
-        info.update(
-            num_unfinished_requests=await self.get_num_unfinished_requests(),
-            paused=self._admission.closed,
-            sleeping=sorted(self._asleep),
-            vllm_version=vllm_api().vllm.__version__,
-            pid=os.getpid(),
-            engine_core_pids=self._core.pids(),
-            node_id=ray.get_runtime_context().get_node_id(),
-        )
-        # Asked of the workers themselves: with TP>1 they are other processes
-        # on other GPUs than this actor sees.
-        gpus = await self._on_workers(worker_memory)
-        info["device"] = ",".join(gpu["device"] for gpu in gpus)
-        info["gpus"] = gpus
-        info["memory"] = {"used_bytes": sum(gpu["used_bytes"] for gpu in gpus)}
-        return info
-
-    async def reset_prefix_cache(self) -> bool:
-        # Without prefix caching no KV outlives its request, so there is
-        # nothing stale to drop, and vLLM's reset walks every KV block in
-        # Python (v1/core/block_pool.py in v0.26.0) on every sync.
-        if not self.engine.vllm_config.cache_config.enable_prefix_caching:
-            return True
-        return await self._core.call(self.engine.reset_prefix_cache())
-
-    async def sleep(self, level: int = 1) -> None:
-        check_sleep_level(level)
-        if not self.sleep_mode:
-            raise RequestError(
-                f"engine {self.config.name} was started without sleep mode: pass "
-                "enable_sleep_mode=True to create_vllm_engines"
-            )
-        # "wait": requests in flight finish first (vLLM's default aborts them).
-        # Level 1 offloads weights to CPU and drops the KV cache; level 2 drops both.
-        before = await self._on_workers(worker_memory)
-        await self._core.call(self.engine.sleep(level, mode="wait"))
-        self._asleep = set(SLEEP_TAGS)
-        gpus = await self._on_workers(worker_memory)
-        after = {gpu["gpu_uuid"]: gpu["used_bytes"] for gpu in gpus}
-        self._slept_bytes = {
-            gpu["gpu_uuid"]: max(0, gpu["used_bytes"] - after.get(gpu["gpu_uuid"], 0))
-            for gpu in before
-        }
-
-    async def wait_gpu_room(self, timeout_s: float) -> float:
-        """Wait until each of this sleeping engine's GPUs has the room its
-        wake-up takes back (what its sleep freed): on a GPU it shares with an
-        engine that just died, that engine's memory is freed a moment after
-        its death, and waking into it fails with CUDA's out of memory. Returns
-        the seconds waited; past `timeout_s` it returns anyway."""
-        began = time.monotonic()
-        needed = self._slept_bytes
-        while needed and time.monotonic() - began < timeout_s:
-            gpus = await self._on_workers(worker_memory)
-            if all(
-                g["total_bytes"] - g["used_bytes"] >= needed.get(g["gpu_uuid"], 0) for g in gpus
-            ):
-                break
-            await asyncio.sleep(ROOM_POLL_S)
-        return time.monotonic() - began
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        tags_set = wake_tags(tags)
-        if not tags_set & self._asleep:
-            return  # awake already: no round trip to the engine core
-        await self._core.call(self.engine.wake_up(sorted(tags_set & self._asleep)))
-        self._asleep -= tags_set
-
-    async def pause_generation(self, mode: str = "keep") -> None:
-        await super().pause_generation(mode)
-        if mode == "wait" and self.engine.model_config.is_multimodal_model:
-            # Cached encoder outputs were computed with the weights about to be
-            # replaced ("keep" and "abort" clear them inside vLLM's pause).
-            await self._core.call(self.engine.reset_mm_cache())
-            await self._core.call(self.engine.reset_encoder_cache())
-
+    # --- the sync's probe: one request past the door -----------------------------
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         if self._admission.frozen or self._asleep:
             # Frozen after the sync's resume: a caller's own pause around the
@@ -345,39 +217,3 @@ class VLLMEngine(RolloutEngine):
         # Position 0 has no logprob; each other holds its own token's.
         positions = output.prompt_logprobs[1:]
         return [p[t].logprob for p, t in zip(positions, token_ids[1:], strict=True)]
-
-    # Mode "wait" needs no call to the engine core: requests are held in this
-    # actor, not inside vLLM, and those let in run to completion.
-    async def _freeze(self) -> None:
-        # vLLM's own "keep": the scheduler stops stepping, and (clear_cache)
-        # running requests are preempted, so their KV cache is recomputed with
-        # the weights served when they resume, as OpenRLHF's pause gets it.
-        await self._core.call(self.engine.pause_generation(mode="keep"))
-
-    async def _thaw(self) -> None:
-        if self._http is not None:  # before vLLM steps again: tokens sampled so far
-            self._http.mark_versions()
-        await self._core.call(self.engine.resume_generation())
-
-    async def _abort_requests(self) -> None:
-        await self._core.call(self.engine.pause_generation(mode="abort"))
-        # New requests wait in this actor until it reopens, not in vLLM.
-        await self._core.call(self.engine.resume_generation())
-
-    async def _on_workers(self, function: Any) -> list[Any]:
-        """This backend's own call of `function` on every worker."""
-        return await self._rpc(function, (), {}, self.config.rpc_timeout_s)
-
-    async def _rpc(self, method: Any, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-        # vLLM's single-process executor ignores its own `timeout`
-        # (https://github.com/vllm-project/vllm/blob/v0.26.0/vllm/v1/executor/uniproc_executor.py),
-        # so the deadline is enforced here.
-        call = self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
-        name = getattr(method, "__name__", method)
-        return await self._core.call(call, timeout, f"collective_rpc({name!r})")
-
-    async def shutdown(self) -> None:
-        # Stops the engine-core process (and the Ray workers of TP>1), which
-        # frees the GPU memory before the actor is killed.
-        await self._stop_openai()
-        self.engine.shutdown()

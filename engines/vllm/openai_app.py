@@ -31,14 +31,12 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engines.admission import Admission, Ticket, released
+from engines.config import EngineConfig
 from engines.errors import EngineSpecError, EngineStaleError, RequestError
 from engines.serving import error_body, record_versions, send_json
-
-if TYPE_CHECKING:
-    from engines.vllm.engine import VLLMEngine
 
 #: A rollout engine generates; no pooling, transcription or render routes.
 SUPPORTED_TASKS = ("generate",)
@@ -280,17 +278,19 @@ def serve_args(pretrain: str, tool_call_parser: str | None) -> Any:
     return args
 
 
-def openai_app(engine: VLLMEngine) -> tuple[Any, AdmittedClient]:
-    """vLLM's FastAPI app on `engine`'s AsyncLLM (no auth), and the client it
-    generates through (the engine calls its `mark_versions` on a thaw)."""
+def openai_app(
+    config: EngineConfig, llm: Any, admission: Admission, check: Callable[[], None]
+) -> tuple[Any, AdmittedClient]:
+    """vLLM's FastAPI app on the AsyncLLM `llm` (no auth), and the client it
+    generates through (the engine calls its `mark_versions` on a thaw).
+    `admission` and `check`: the engine's door and its check of its own
+    state (`RolloutEngine.check_request`)."""
     from vllm.entrypoints.openai.api_server import build_app, init_app_state
 
-    args = serve_args(engine.config.pretrain, engine.config.tool_call_parser)
+    args = serve_args(config.pretrain, config.tool_call_parser)
     # The engine's own door: Ray calls and HTTP requests share it.
-    client = AdmittedClient(
-        engine.engine, engine._admission, lambda: engine.check_request([], None)
-    )
-    app = build_app(args, SUPPORTED_TASKS, engine.engine.model_config)
+    client = AdmittedClient(llm, admission, check)
+    app = build_app(args, SUPPORTED_TASKS, llm.model_config)
     init: asyncio.Future | None = None
 
     async def ready() -> None:

@@ -10,6 +10,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engines.errors import EngineSpecError
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -49,3 +51,11 @@ def hermes(text: str) -> ParsedAnswer:
 TOOL_PARSERS: dict[str, Callable[[str], ParsedAnswer]] = {
     "hermes": hermes,
 }
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """On the driver, before any engine exists (`HFEngine.check_settings`)."""
+    if name is not None and name not in TOOL_PARSERS:
+        raise EngineSpecError(
+            f"tool_call_parser={name!r} is not one of backend 'hf''s {sorted(TOOL_PARSERS)}"
+        )

@@ -13,12 +13,12 @@ import torch
 from fresh_imports import imported_with
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.base import warn_vocab_mismatch
 from engines.config import EngineConfig
 from engines.errors import EngineSleepingError, RequestError
 from engines.hf import HFEngine
 from engines.load import EngineLoad
 from engines.sampling import SamplingParams
+from engines.startup import warn_vocab_mismatch
 
 PROMPT = [42, 71, 78, 78, 81, 14]
 LONG_PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
@@ -362,7 +362,7 @@ def vocab_warnings(caplog) -> list[str]:
 def test_only_a_tokenizer_past_the_models_vocabulary_is_warned(
     caplog, tokenizer_size, vocab, rows, warned
 ):
-    with caplog.at_level("WARNING", logger="engines.base"):
+    with caplog.at_level("WARNING", logger="engines.startup"):
         warn_vocab_mismatch("e-0", tokenizer_size, vocab, rows)
     assert bool(vocab_warnings(caplog)) == warned
 
@@ -378,7 +378,7 @@ def test_a_padded_vocabulary_is_not_warned_at_start_up(tiny_model, tmp_path, cap
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     model.resize_token_embeddings(config["vocab_size"])
     model.save_pretrained(model_dir)
-    with caplog.at_level("WARNING", logger="engines.base"):
+    with caplog.at_level("WARNING", logger="engines.startup"):
         for path in (tiny_model, str(model_dir)):
             padded = make_engine(path)
             run(padded.shutdown())
@@ -395,7 +395,7 @@ def test_tokens_added_to_the_tokenizer_alone_are_warned_at_start_up(tiny_model, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_tokens([f"<|new-{i}|>" for i in range(vocab + 1 - len(tokenizer))])
     tokenizer.save_pretrained(model_dir)
-    with caplog.at_level("WARNING", logger="engines.base"):
+    with caplog.at_level("WARNING", logger="engines.startup"):
         grown = make_engine(str(model_dir))
     run(grown.shutdown())
     tokenizer_size = len(grown.tokenizer)

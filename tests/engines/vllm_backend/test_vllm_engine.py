@@ -1,5 +1,5 @@
 """The vLLM backend's sleep and wake-up on a shared GPU, and its sync probe
-(engines/vllm/engine.py), with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
+(engines/vllm/engine.py, control.py), with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from fresh_imports import imported_with
 
 from engines.config import EngineConfig
 from engines.vllm import VLLMEngine
+from engines.vllm import control as vllm_control
 from engines.vllm import engine as vllm_engine
+from engines.vllm.args import WORKER_EXTENSION, engine_args
 from engines.vllm.core import CoreCalls
-from engines.vllm.engine import WORKER_EXTENSION, engine_args
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def gpu_readings(engine, monkeypatch, used: list[int], total: int = 100) -> list
         pass
 
     monkeypatch.setattr(engine, "_rpc", rpc)
-    monkeypatch.setattr(vllm_engine, "ROOM_POLL_S", 0.0)
+    monkeypatch.setattr(vllm_control, "ROOM_POLL_S", 0.0)
     engine.sleep_mode = True
     engine._slept_bytes = {}
     engine.engine.sleep = sleep

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from engines.hf.openai import protocol as p
-from engines.hf.openai.app import chat_choice
+from engines.hf.openai.chat import chat_choice
 from engines.hf.openai.tool_parsers import TOOL_PARSERS, ParsedAnswer, ParsedCall, hermes
 from engines.outputs import CompletionOutput
 

@@ -1,8 +1,9 @@
-"""The CPU backend's OpenAI routes (engines/hf/openai/app.py) on a real engine
-actor, over real HTTP with the real `openai` client: completions (text and
-token ids), chat, logprobs in OpenAI's shape, `return_token_ids`, usage,
-models, tokenize/detokenize, tool calls, and bad requests answered with
-vLLM's errors naming the field, the engine still serving."""
+"""The CPU backend's OpenAI routes (engines/hf/openai/: the app, chat,
+completions) on a real engine actor, over real HTTP with the real `openai`
+client: completions (text and token ids), chat, logprobs in OpenAI's shape,
+`return_token_ids`, usage, models, tokenize/detokenize, tool calls, and bad
+requests answered with vLLM's errors naming the field, the engine still
+serving."""
 
 from __future__ import annotations
 
@@ -223,7 +224,7 @@ def test_bad_requests_get_vllms_errors_naming_the_field(api, post, path, body, s
 
 def test_history_tool_calls_reach_the_template_as_objects_as_vllm_sends_them():
     from engines.hf.openai import protocol as p
-    from engines.hf.openai.app import chat_message
+    from engines.hf.openai.chat import chat_message
     from engines.hf.openai.errors import OpenAIError
 
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
