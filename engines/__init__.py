@@ -44,7 +44,7 @@ from engines.lifecycle import (  # noqa: E402
     swap_in_spare,
 )
 from engines.load import EngineLoad  # noqa: E402
-from engines.openrlhf import batch_vllm_engine_call, create_vllm_engines  # noqa: E402
+from engines.openrlhf.vllm_engine import batch_vllm_engine_call, create_vllm_engines  # noqa: E402
 from engines.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from engines.sampling import SamplingParams  # noqa: E402
 from engines.serving import OpenAIServer  # noqa: E402

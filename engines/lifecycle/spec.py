@@ -24,7 +24,7 @@ from engines.config import EngineSettings, at_least
 from engines.errors import EngineSpecError
 from engines.lifecycle.actors import backend_class
 from engines.lifecycle.placement import Placement
-from engines.openrlhf_executor import check_agent_func_path
+from engines.openrlhf.executor import check_agent_func_path
 
 BACKENDS = ("auto", "vllm", "hf")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

@@ -28,7 +28,7 @@ import ray
 
 from engines.client import translate_error
 from engines.errors import EngineTimeoutError
-from engines.openrlhf_executor import load_agent_executor
+from engines.openrlhf.executor import load_agent_executor
 from engines.trajectory import NOT_SAMPLED, TrajectorySample, TurnSpan
 
 #: Deadline of one agent rollout (`run_openrlhf_agent`): every turn's

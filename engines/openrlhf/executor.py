@@ -3,9 +3,8 @@ actor (`load_agent_executor`, for `engines.openrlhf.agents`), and the file
 checked on the driver before any engine exists (`check_agent_func_path`, for
 the engine-set spec).
 
-Beside the `engines.openrlhf` package, not in it: the package also holds
-OpenRLHF's engine-set API, which starts sets through the spec that runs this
-check, so the spec importing the package would import itself.
+Its own module: the engine-set spec needs the check, and it must not import
+the agent rollouts (`agents`) or the engine-set API (`vllm_engine`) to get it.
 """
 
 from __future__ import annotations
