@@ -20,9 +20,10 @@ from engines.weight_sync import SyncReport
 from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
-from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
+from tasks.generate import generate_rollouts
 from tasks.partial.task import LeftRunning, PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
+from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
 from tasks.run.prompts import Prompts

@@ -34,10 +34,10 @@ from tasks.engines import (
     teardown,
     wait_until_ready,
 )
-from tasks.generate import IterationReport
 from tasks.prompts import load_prompts
 from tasks.run.artifacts import publish_engine_table, publish_summary, publish_training_table
 from tasks.run.loggers import check_logger, open_logger
+from tasks.run.plans import IterationReport
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
 from tasks.run.prompts import Prompts
