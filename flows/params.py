@@ -18,7 +18,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from engines.sampling import SamplingParams
-from flows.schedule import Schedule
+from flows.schedule import SCHEDULES, Schedule, ScheduleRule
 from tasks.run.params import SECTION, ClusterParams, DataParams, EngineParams, OutputParams
 
 
@@ -247,16 +247,14 @@ class TrainingParams(BaseModel):
 
     @model_validator(mode="after")
     def _staleness(self) -> TrainingParams:
-        if self.schedule == "sync":
-            if "max_staleness" in self.model_fields_set and self.max_staleness != 0:
-                raise ValueError(
-                    f"max_staleness ({self.max_staleness}) needs schedule 'overlap' or "
-                    "'in_flight': 'sync' is strictly on-policy"
-                )
-        elif self.max_staleness < 1:
+        rule = self.schedule_rule
+        if not rule.stale and "max_staleness" in self.model_fields_set and self.max_staleness:
+            stale = " or ".join(repr(name) for name, r in SCHEDULES.items() if r.stale)
             raise ValueError(
-                f"schedule {self.schedule!r} needs max_staleness >= 1, got {self.max_staleness}"
+                f"max_staleness ({self.max_staleness}) needs schedule {stale}: "
+                f"{self.schedule!r} is strictly on-policy"
             )
+        rule.bound(self.max_staleness)
         return self
 
     @property
@@ -270,9 +268,14 @@ class TrainingParams(BaseModel):
         return bool(self.reward or self.agentic) and self.train
 
     @property
+    def schedule_rule(self) -> ScheduleRule:
+        """What the run's schedule decides (flows/schedule.py)."""
+        return SCHEDULES[self.schedule]
+
+    @property
     def staleness_bound(self) -> int:
         """Versions a row may lag the policy: 0 for 'sync'."""
-        return 0 if self.schedule == "sync" else self.max_staleness
+        return self.schedule_rule.bound(self.max_staleness)
 
 
 class RolloutParams(BaseModel):
