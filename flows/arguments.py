@@ -167,8 +167,8 @@ def describe_errors(exc: ValidationError, flags: set[str], config: Path | None) 
 def preset_for(given: dict[str, Any]) -> dict[str, Any]:
     """The demo preset under `given`; an agent run's reward is its agent's,
     so the preset's reward stays out."""
-    training = given.get("training", {})
-    if not (training.get("agent") or training.get("agent_func_path")):
+    agents = given.get("agents", {})
+    if not (agents.get("agent") or agents.get("agent_func_path")):
         return DEMO_PRESET
     return {**DEMO_PRESET, "training": {**DEMO_PRESET["training"], "reward": None}}
 

@@ -50,7 +50,7 @@ def start_ray(params: RolloutParams) -> bool:
     from tasks.cluster import local_num_cpus
     from tasks.run.connection import connect
 
-    cpus = local_num_cpus(params.cluster, params.engines, params.training.on_policy)
+    cpus = local_num_cpus(params.cluster, params.engines, params.on_policy)
     started = connect(params.cluster.address, cpus, "rolloutflow-cli", params.cluster.runtime_env)
     if started:
         lifetime.reap_on_death(lifetime.descendants(os.getpid()))

@@ -20,9 +20,10 @@ from engines.weight_sync import SyncReport
 from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
-from tasks.generate import GenerationPlan, IterationReport, PolicyLink, generate_rollouts
+from tasks.generate import generate_rollouts
 from tasks.partial.task import LeftRunning, PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
+from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
 from tasks.run.prompts import Prompts
@@ -96,7 +97,7 @@ def run_iterations(
     pipeline = Pipeline(
         training.iterations, training.schedule, training.staleness_bound, trains=on_policy
     )
-    partial = training.schedule == "partial"
+    partial = training.schedule_rule.partial
     task = generate_partial_rollouts if partial else generate_rollouts
     generate = task.with_options(retries=params.cluster.engine_retries)
     # `partial`: what a generation leaves running while the policy trains.
@@ -199,7 +200,7 @@ def iteration_plan(
     with the groups kept generating and the wait bound."""
     plan = generation_plan(params, run_dir, iteration, on_policy=on_policy, agent=agent)
     training = params.training
-    if training.schedule != "partial":
+    if not training.schedule_rule.partial:
         return plan
     groups = in_flight_groups(prompts, training.partial_in_flight)
     return PartialPlan(

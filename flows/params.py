@@ -1,7 +1,8 @@
 """The rollout flow's parameters: one pydantic model of sections (data,
-engines, sampling, training, output, cluster). The sections the tasks take
-as they are live in tasks/run/params.py; the flow's own (sampling,
-training) here.
+engines, sampling, training, agents, output, cluster). The sections the
+tasks take as they are live in tasks/run/params.py, the sampling section
+(derived from the engines' `SamplingParams`) in flows/sampling.py; the
+flow's own (training, agents) here.
 
 Prefect renders it as the run form in the UI and, with
 `enforce_parameter_schema: true`, the server rejects a deployment run whose
@@ -13,102 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.sampling import SamplingParams
-from flows.schedule import Schedule
+from flows.sampling import SamplingSection
+from flows.schedule import SCHEDULES, Schedule, ScheduleRule
 from tasks.run.params import SECTION, ClusterParams, DataParams, EngineParams, OutputParams
-
-
-def sampled(name: str, default: Any = PydanticUndefined, **run: Any) -> Any:
-    """`SamplingParams`' declaration of field `name` (its bounds live there,
-    once), with the run's own default where given, and `run`: the form's
-    wording."""
-    if default is not PydanticUndefined:
-        run["default"] = default
-    return FieldInfo.merge_field_infos(SamplingParams.model_fields[name], Field(**run))
-
-
-class SamplingSection(BaseModel):
-    """A run's sampling: `SamplingParams`' fields and bounds (`request()`
-    makes the request's), with the run's defaults, and the run's base seed."""
-
-    model_config = SECTION
-
-    n: int = sampled("n", title="Samples per prompt")
-    temperature: float = sampled(
-        "temperature", description="0 means greedy. The default of --agent sessions' requests."
-    )
-    top_p: float = sampled("top_p")
-    top_k: int = sampled("top_k")
-    max_tokens: int = sampled(
-        "max_tokens", 64, description="Response tokens at most; --agent sessions' default too."
-    )
-    ignore_eos: bool = sampled("ignore_eos", description="Keep generating past end-of-sequence.")
-    logprobs: int | None = sampled(
-        "logprobs",
-        description="Write per-token logprobs: 0 the sampled token, k also the top k. Empty: none.",
-    )
-    stop: list[str] = sampled(
-        "stop", [], description='Stop strings (a string, or a JSON list: ["\\n", "###"]).'
-    )
-    stop_token_ids: list[int] = sampled("stop_token_ids", description="Stop token ids.")
-    include_stop_str_in_output: bool = sampled(
-        "include_stop_str_in_output", description="Keep the stop string."
-    )
-    min_tokens: int = sampled("min_tokens", description="Response tokens at least before EOS/stop.")
-    min_p: float = sampled("min_p")
-    repetition_penalty: float = sampled("repetition_penalty", description="1 disables it.")
-    presence_penalty: float = sampled("presence_penalty")
-    frequency_penalty: float = sampled("frequency_penalty")
-    skip_special_tokens: bool = sampled(
-        "skip_special_tokens", description="Leave special tokens out of the text."
-    )
-    # Not the request's seed (`SamplingParams.seed`): each request's is derived
-    # from this one. The engines and the policy are seeded with it too.
-    seed: int = Field(
-        42,
-        ge=0,
-        le=2**62,
-        description="Base seed. A request's seed is derived from it, the iteration and the "
-        "prompt's index, so a rollout does not depend on which engine served it.",
-    )
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_stop(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    def request(self) -> SamplingParams:
-        """Sampling parameters shared by every request (each gets its own seed).
-        The vLLM-named fields go through when set: `SamplingParams` refuses one
-        its backend cannot honour, naming it, rather than dropping it."""
-        values = {name: getattr(self, name) for name in ALWAYS_SAMPLED}
-        values.update(
-            {
-                name: getattr(self, name)
-                for name in SAMPLED_WHEN_SET
-                if name in self.model_fields_set
-            }
-        )
-        return SamplingParams(**values)
-
-
-ALWAYS_SAMPLED = ("n", "temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "logprobs")
-#: vLLM's per-request fields; at their defaults they mean what vLLM's defaults mean.
-SAMPLED_WHEN_SET = (
-    "stop",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "min_tokens",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "skip_special_tokens",
-)
 
 
 class TrainingParams(BaseModel):
@@ -204,34 +114,6 @@ class TrainingParams(BaseModel):
         le=100_000,
         description="Rounds of generate (-> train -> weight sync). 1: a plain rollout job.",
     )
-    agent: str | None = Field(
-        None,
-        description="Agent function, 'module:function' or 'file.py:function': async "
-        "agent(client: openai.AsyncOpenAI, row: dict) -> AgentResult (or (reward, info)). "
-        "Each of a prompt's n samples is a session of its own on the run's router (the "
-        "engines serve the OpenAI API); a request setting no max_tokens or temperature gets "
-        "the run's. Its reward replaces --reward.",
-        examples=["agents.tool_task:agent"],
-    )
-    agent_func_path: str | None = Field(
-        None,
-        description="OpenRLHF's agent file (AgentInstanceBase with reset/step), run as "
-        "OpenRLHF runs it; its reward replaces --reward.",
-    )
-    agent_timeout_s: float = Field(
-        120.0, gt=0.0, le=86_400.0, description="Deadline of one agent session."
-    )
-
-    @model_validator(mode="after")
-    def _one_reward(self) -> TrainingParams:
-        given = [name for name in ("reward", "agent", "agent_func_path") if getattr(self, name)]
-        if len(given) > 1:
-            raise ValueError(
-                f"{' and '.join(given)} both give the reward: set one of reward, agent, "
-                "agent_func_path"
-            )
-        return self
-
     # Off by default, as verl's and OpenRLHF's filter_groups: refills cost
     # generation (up to 1 + max_refill_rounds times an iteration's), and a
     # step's work then differs from the schedules' benchmarks without it.
@@ -252,32 +134,55 @@ class TrainingParams(BaseModel):
 
     @model_validator(mode="after")
     def _staleness(self) -> TrainingParams:
-        if self.schedule == "sync":
-            if "max_staleness" in self.model_fields_set and self.max_staleness != 0:
-                raise ValueError(
-                    f"max_staleness ({self.max_staleness}) needs schedule 'overlap' or "
-                    "'in_flight': 'sync' is strictly on-policy"
-                )
-        elif self.max_staleness < 1:
+        rule = self.schedule_rule
+        if not rule.stale and "max_staleness" in self.model_fields_set and self.max_staleness:
+            stale = " or ".join(repr(name) for name, r in SCHEDULES.items() if r.stale)
             raise ValueError(
-                f"schedule {self.schedule!r} needs max_staleness >= 1, got {self.max_staleness}"
+                f"max_staleness ({self.max_staleness}) needs schedule {stale}: "
+                f"{self.schedule!r} is strictly on-policy"
             )
+        rule.bound(self.max_staleness)
         return self
+
+    @property
+    def schedule_rule(self) -> ScheduleRule:
+        """What the run's schedule decides (flows/schedule.py)."""
+        return SCHEDULES[self.schedule]
+
+    @property
+    def staleness_bound(self) -> int:
+        """Versions a row may lag the policy: 0 for 'sync'."""
+        return self.schedule_rule.bound(self.max_staleness)
+
+
+class AgentsParams(BaseModel):
+    """Agent runs: each of a prompt's n samples is an agent session (agents/),
+    and the agent gives the reward."""
+
+    model_config = SECTION
+
+    agent: str | None = Field(
+        None,
+        description="Agent function, 'module:function' or 'file.py:function': async "
+        "agent(client: openai.AsyncOpenAI, row: dict) -> AgentResult (or (reward, info)). "
+        "Each of a prompt's n samples is a session of its own on the run's router (the "
+        "engines serve the OpenAI API); a request setting no max_tokens or temperature gets "
+        "the run's. Its reward replaces --reward.",
+        examples=["agents.tool_task:agent"],
+    )
+    agent_func_path: str | None = Field(
+        None,
+        description="OpenRLHF's agent file (AgentInstanceBase with reset/step), run as "
+        "OpenRLHF runs it; its reward replaces --reward.",
+    )
+    agent_timeout_s: float = Field(
+        120.0, gt=0.0, le=86_400.0, description="Deadline of one agent session."
+    )
 
     @property
     def agentic(self) -> bool:
         """Samples are agent sessions (the agent gives the reward)."""
         return bool(self.agent or self.agent_func_path)
-
-    @property
-    def on_policy(self) -> bool:
-        """A policy trains on the rollouts (and its weights go to the engines)."""
-        return bool(self.reward or self.agentic) and self.train
-
-    @property
-    def staleness_bound(self) -> int:
-        """Versions a row may lag the policy: 0 for 'sync'."""
-        return 0 if self.schedule == "sync" else self.max_staleness
 
 
 class RolloutParams(BaseModel):
@@ -291,6 +196,7 @@ class RolloutParams(BaseModel):
     engines: EngineParams = EngineParams()
     sampling: SamplingSection = SamplingSection()
     training: TrainingParams = TrainingParams()
+    agents: AgentsParams = AgentsParams()
     output: OutputParams = OutputParams()
     cluster: ClusterParams = ClusterParams()
 
@@ -304,6 +210,27 @@ class RolloutParams(BaseModel):
             raise ValueError(f"parameters are in sections now: {moved}")
         return values
 
+    @property
+    def on_policy(self) -> bool:
+        """A policy trains on the rollouts (and its weights go to the engines)."""
+        return bool(self.training.reward or self.agents.agentic) and self.training.train
+
+    @model_validator(mode="after")
+    def _one_reward(self) -> RolloutParams:
+        agents = self.agents
+        named = {
+            "reward": self.training.reward,
+            "agent": agents.agent,
+            "agent_func_path": agents.agent_func_path,
+        }
+        given = [name for name, value in named.items() if value]
+        if len(given) > 1:
+            raise ValueError(
+                f"{' and '.join(given)} both give the reward: set one of reward, agent, "
+                "agent_func_path"
+            )
+        return self
+
     @model_validator(mode="after")
     def _fits(self) -> RolloutParams:
         if self.sampling.max_tokens >= self.engines.max_len:
@@ -311,14 +238,12 @@ class RolloutParams(BaseModel):
                 f"max_tokens ({self.sampling.max_tokens}) must be below max_len "
                 f"({self.engines.max_len}): the prompt needs room too"
             )
-        if self.training.colocate and not self.training.on_policy:
+        if self.training.colocate and not self.on_policy:
             raise ValueError(
                 "colocate puts the policy beside the engines: it needs an on-policy run "
                 "(a reward, and train on)"
             )
-        if self.training.dynamic_sampling and not (
-            self.training.on_policy and self.sampling.n >= 2
-        ):
+        if self.training.dynamic_sampling and not (self.on_policy and self.sampling.n >= 2):
             raise ValueError(
                 "dynamic_sampling filters groups by their rewards: it needs an on-policy run "
                 f"(a reward, and train on) and n >= 2 samples per prompt, got n={self.sampling.n}"

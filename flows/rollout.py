@@ -1,31 +1,32 @@
 """The rollout flow: provision the cluster -> create engines -> readiness
 checks -> generate rollouts (-> weight sync, between iterations) -> tear down.
 
-Run it with `python -m flows.cli` (local), or as a deployment (prefect.yaml).
-Cleanup is layered: the body's `finally` tears down what it created, and the
-hooks sweep the run's engines by name, from whatever process they run in.
+Run it with `rolloutflow` (flows/cli.py, the command line; also `python -m
+flows.cli`), or as a deployment (prefect.yaml names `rollout` here). Cleanup
+is layered: the body's `finally` tears down what it created, and the hooks
+sweep the run's engines by name, from whatever process they run in.
+
+Beside the body: the iterations (flows/iterations.py), what the run starts
+beside its engines (flows/side_actors.py) and its summary (flows/summary.py).
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import ray
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic.json_schema import SkipJsonSchema
 
-from agents.loading import AgentRef, check_func_path, load_agent
-from agents.runner import AgentPlan
+from agents.loading import check_func_path, load_agent
 from engines import EngineSetSpec, Placement, PlacementMode
-from engines.weight_sync import transport_for
 from flows.hooks import sweep_engines
 from flows.iterations import Ledger, run_iterations
 from flows.params import RolloutParams
+from flows.side_actors import SideActors
+from flows.summary import RunSummary, summarize
 from tasks.cluster import Cluster, provision_cluster
 from tasks.engines import (
     EarlyEngines,
@@ -35,50 +36,15 @@ from tasks.engines import (
     teardown,
     wait_until_ready,
 )
-from tasks.generate import IterationReport
 from tasks.prompts import load_prompts
-from tasks.run.artifacts import publish_engine_table, publish_summary, publish_training_table
+from tasks.run.artifacts import publish_engine_table, publish_training_table
 from tasks.run.loggers import check_logger, open_logger
 from tasks.run.pool import EnginePool
 from tasks.run.progress import RunProgress
 from tasks.run.prompts import Prompts
-from tasks.run.report import (
-    CURVES_FILE,
-    IterationMetrics,
-    TrainingRow,
-    curves_markdown,
-    write_curves_png,
-)
 from tasks.run.scope import RunScope
-from tasks.run.shards import prepare_run_dir, set_aside_iterations, write_atomically
-from tasks.train import wait_for_policy
-from training.config import PolicyConfig
-from training.policy import create_policy_actor, engine_dtype
+from tasks.run.shards import prepare_run_dir, set_aside_iterations
 from training.rewards import absolute, load_reward, start_reward_scorer
-
-SUMMARY_FILE = "summary.json"
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    run_id: str
-    attempt: int
-    output_dir: str
-    rows: int
-    #: Requests sent to engines by this attempt (shards written by an earlier
-    #: attempt of the run are reused, not regenerated).
-    generate_calls: int
-    seconds: float
-    #: Of which the iterations (generate, train, sync), after start-up (a
-    #: colocated policy's, which starts after the engines, included).
-    iterations_seconds: float
-    iterations: list[IterationReport]
-    #: On-policy runs: per iteration, the policy step and the sync after it.
-    training: list[TrainingRow]
-    #: Per iteration: what the curves show.
-    metrics: list[IterationMetrics]
-    #: The curves as a PNG (None when there is nothing to draw).
-    curves: str | None
 
 
 def run_name() -> str:
@@ -100,10 +66,10 @@ def check_settings(params: RolloutParams) -> None:
     params.sampling.request()
     if params.training.reward:
         load_reward(params.training.reward, params.training.reward_style)
-    if params.training.agent:
-        load_agent(params.training.agent)
-    if params.training.agent_func_path:
-        check_func_path(params.training.agent_func_path)
+    if params.agents.agent:
+        load_agent(params.agents.agent)
+    if params.agents.agent_func_path:
+        check_func_path(params.agents.agent_func_path)
     check_logger(params.output.logger)
 
 
@@ -111,7 +77,7 @@ def engine_set(params: RolloutParams, model: str, backend: str) -> EngineSetSpec
     """The engines a run of `params` starts (the flow, or the CLI early)."""
     with_trainer = params.training.colocate
     # An agent's sessions reach the engines over HTTP, through the router.
-    served = {"openai_api": True} if params.training.agent else {}
+    served = {"openai_api": True} if params.agents.agent else {}
     return engine_spec(
         params.engines,
         pretrain=model,
@@ -120,69 +86,6 @@ def engine_set(params: RolloutParams, model: str, backend: str) -> EngineSetSpec
         placement=Placement(PlacementMode.WITH_TRAINER) if with_trainer else Placement(),
         **served,
     )
-
-
-@dataclass
-class SideActors:
-    """What a run starts beside its engines: an on-policy run's policy (its
-    handle, and the future of its start-up) and a reward run's scorer."""
-
-    params: RolloutParams
-    scope: RunScope
-    model: str
-    policy: Any = None
-    policy_up: Any = None
-    scorer: Any = None
-    #: An agent run's router in front of the engines (agents/router/actor.py).
-    router: Any = None
-
-    def agent_plan(self, pool: EnginePool) -> AgentPlan | None:
-        """An agent run's sessions: `--agent` through a router started here
-        on the ready engines, `--agent-func-path` on the engines directly."""
-        training = self.params.training
-        if not training.agentic:
-            return None
-        plan = AgentPlan(
-            agent=AgentRef.parse(training.agent) if training.agent else None,
-            func_path=check_func_path(training.agent_func_path)
-            if training.agent_func_path
-            else None,
-            timeout_s=training.agent_timeout_s,
-            model=self.model,
-            sampling=self.params.sampling.request().model_copy(update={"n": 1}),
-            max_length=self.params.engines.max_len,
-        )
-        if training.agent:
-            # Imported here: only agent runs serve HTTP (fastapi, uvicorn).
-            from agents.router.actor import start_router
-            from agents.router.proxy import SessionDefaults
-
-            api_key = pool.engines.api_key
-            # The run's sampling is its sessions' default; a request's own wins.
-            sampling = self.params.sampling
-            defaults = SessionDefaults(sampling.max_tokens, sampling.temperature)
-            self.router = start_router(list(pool.engines), api_key, "sticky", defaults=defaults)
-            plan = replace(
-                plan, router_url=self.router.url, api_key=api_key, router=self.router.actor
-            )
-        return plan
-
-    def start_policy(self, pool: EnginePool, backend: str) -> None:
-        """The policy goes beside the engines on their GPU (colocate), else
-        on a GPU of its own on a GPU cluster."""
-        params, scope = self.params, self.scope
-        if params.training.colocate:
-            placement = pool.engines.placement.trainer_options()
-        else:
-            placement = {"num_gpus": 1 if backend == "vllm" else 0}
-        self.policy = create_policy_actor(
-            policy_config(params, self.model, backend),
-            name=scope.policy_name,
-            namespace=scope.namespace,
-            **placement,
-        )
-        timeout_s = params.cluster.ready_timeout_s
-        self.policy_up = wait_for_policy.submit(self.policy, ready_timeout_s=timeout_s)
 
 
 @flow(
@@ -214,7 +117,7 @@ def rollout(
     run_dir = prepare_run_dir(
         Path(params.output.output_dir) / scope.run_id, manifest(params, prompts, model)
     )
-    on_policy = params.training.on_policy
+    on_policy = params.on_policy
     if on_policy and (aside := set_aside_iterations(run_dir, scope.attempt)):
         logger.warning("on-policy run restarts its iterations; earlier rollouts moved to %s", aside)
     cluster = provision_cluster(
@@ -269,12 +172,12 @@ def start_and_iterate(
 ) -> float:
     """Start the policy and the reward actor beside the engines, wait for
     the engines, run the iterations; returns the iterations' seconds."""
-    on_policy, colocate = params.training.on_policy, params.training.colocate
+    on_policy, colocate = params.on_policy, params.training.colocate
     # The policy and the reward actor start while the engines start (after
     # them: the engines' placement group is reserved first), and iteration
     # 0's generation does not wait for the policy. A policy on the engines'
     # GPU starts once they are up: its memory would change under their KV
-    # cache sizing (engines.startup.wait_turn).
+    # cache sizing (engines.base.wait_turn).
     if on_policy and not colocate:
         side.start_policy(pool, cluster.backend)
     if params.training.reward:
@@ -298,58 +201,6 @@ def start_and_iterate(
     return time.monotonic() - looped - waited
 
 
-def summarize(
-    params: RolloutParams,
-    scope: RunScope,
-    pool: EnginePool,
-    ledger: Ledger,
-    run_dir: Path,
-    began: float,
-    looped_s: float,
-) -> RunSummary:
-    """The run's summary: written to summary.json and published as its artifact."""
-    reports = [ledger.reports[i] for i in sorted(ledger.reports)]
-    curves = write_curves_png(ledger.metrics, run_dir / CURVES_FILE)
-    summary = RunSummary(
-        run_id=scope.run_id,
-        attempt=scope.attempt,
-        output_dir=str(run_dir),
-        rows=sum(report.rows for report in reports),
-        generate_calls=sum(stats.generate_calls for stats in pool.stats),
-        seconds=round(time.monotonic() - began, 2),
-        iterations_seconds=round(looped_s, 2),
-        iterations=reports,
-        training=ledger.training,
-        metrics=ledger.metrics,
-        curves=str(curves) if curves else None,
-    )
-    write_atomically(run_dir / SUMMARY_FILE, [json.dumps(asdict(summary), indent=2)])
-    markdown = summary_markdown(summary, pool) + "\n\n" + curves_markdown(ledger.metrics, curves)
-    publish_summary(markdown)
-    return summary
-
-
-def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConfig:
-    """The reference policy for an on-policy run. The transport follows
-    placement: NCCL from the policy's own GPU to vLLM engines, CUDA IPC on
-    the GPU it shares with them (colocate), gloo on CPU."""
-    on_gpu = backend == "vllm"
-    return PolicyConfig(
-        pretrain=model,
-        learning_rate=params.training.learning_rate,
-        micro_batch_tokens=params.training.micro_batch_tokens,
-        seed=params.sampling.seed,
-        device="cuda" if on_gpu else "cpu",
-        transport=transport_for(
-            colocated=params.training.colocate, device="cuda" if on_gpu else "cpu"
-        ),
-        sync_backend="nccl" if on_gpu else "gloo",
-        max_staleness=params.training.staleness_bound,
-        probe=params.training.weight_sync_probe,
-        sync_dtype=engine_dtype(model, backend, params.engines.engine_kwargs),
-    )
-
-
 def manifest(params: RolloutParams, prompts: Prompts, model: str) -> dict:
     """What the shards' content depends on: a rerun may reuse shards only if
     all of it is unchanged (engine count, timeouts and the like do not matter)."""
@@ -365,34 +216,9 @@ def manifest(params: RolloutParams, prompts: Prompts, model: str) -> dict:
         "shard_size": params.output.shard_size,
         "output_format": params.output.output_format,
         "reward": params.training.reward,
-        "agent": params.training.agent,
-        "agent_func_path": params.training.agent_func_path,
+        "agent": params.agents.agent,
+        "agent_func_path": params.agents.agent_func_path,
         "reward_style": params.training.reward_style,
         "train": params.training.train,
         "learning_rate": params.training.learning_rate,
     }
-
-
-def summary_markdown(summary: RunSummary, pool: EnginePool) -> str:
-    lines = [
-        "# Rollout run",
-        "",
-        f"- output: `{summary.output_dir}`",
-        f"- rows: {summary.rows} (attempt {summary.attempt}, {summary.seconds:.1f} s)",
-        f"- engine requests this attempt: {summary.generate_calls}",
-        f"- engine restarts: {sum(s.restarts for s in pool.stats)}",
-        "",
-        "| iteration | shards | reused | rows | seconds |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r.iteration} | {r.shards} | {r.shards_skipped} | {r.rows} | {r.seconds:.1f} |"
-        for r in summary.iterations
-    ]
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from flows.cli import main
-
-    raise SystemExit(main())

@@ -24,6 +24,10 @@ a step does not take may go on generating under it, until the sync.
 
 The policy actor runs one method at a time, so a sync and a training step
 are never submitted together: the sync goes first, as the engines wait for it.
+
+What each schedule decides is one row of `SCHEDULES`: the parameters check
+the staleness bound by it (flows/params.py), the flow picks the generation
+task by it (flows/iterations.py), and the pipeline starts work by it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,45 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Schedule = Literal["sync", "overlap", "in_flight", "partial"]
-SCHEDULES: tuple[Schedule, ...] = ("sync", "overlap", "in_flight", "partial")
+
+
+@dataclass(frozen=True)
+class ScheduleRule:
+    """What one schedule decides; `SCHEDULES` holds each schedule's."""
+
+    name: Schedule
+    #: The run's max_staleness is its bound (at least 1): how far a row may
+    #: lag the policy, or (partial) a group wait for its batch. Else the
+    #: bound is 0: strictly on-policy.
+    stale: bool
+    #: Generation j starts once the engines serve version j - bound (else j).
+    generates_ahead: bool
+    #: Generations run beside each other, and a sync under them.
+    in_flight: bool
+    #: The generation task: partial rollouts (tasks/partial/task.py), else
+    #: whole shards (tasks/generate.py).
+    partial: bool
+
+    def bound(self, max_staleness: int) -> int:
+        """The staleness bound of a run of `max_staleness` (the one rule)."""
+        if not self.stale:
+            return 0
+        if max_staleness < 1:
+            raise ValueError(
+                f"schedule {self.name!r} needs max_staleness >= 1, got {max_staleness}"
+            )
+        return max_staleness
+
+
+SCHEDULES: dict[str, ScheduleRule] = {
+    rule.name: rule
+    for rule in (
+        ScheduleRule("sync", stale=False, generates_ahead=False, in_flight=False, partial=False),
+        ScheduleRule("overlap", stale=True, generates_ahead=True, in_flight=False, partial=False),
+        ScheduleRule("in_flight", stale=True, generates_ahead=True, in_flight=True, partial=False),
+        ScheduleRule("partial", stale=True, generates_ahead=False, in_flight=False, partial=True),
+    )
+}
 
 
 @dataclass
@@ -72,13 +114,15 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.schedule == "sync" and self.max_staleness != 0:
-            raise ValueError(f"schedule 'sync' has max_staleness 0, got {self.max_staleness}")
-        if self.schedule != "sync" and self.max_staleness < 1:
+            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {self.schedule!r}")
+        if (bound := self.rule.bound(self.max_staleness)) != self.max_staleness:
             raise ValueError(
-                f"schedule {self.schedule!r} needs max_staleness >= 1, got {self.max_staleness}"
+                f"schedule {self.schedule!r} has max_staleness {bound}, got {self.max_staleness}"
             )
+
+    @property
+    def rule(self) -> ScheduleRule:
+        return SCHEDULES[self.schedule]
 
     # --- decisions ---------------------------------------------------------------
     def next_generation(self) -> int | None:
@@ -86,14 +130,14 @@ class Pipeline:
         j = self.next_iteration
         if j >= self.iterations:
             return None
-        concurrent = self.trains and self.schedule == "in_flight"
+        concurrent = self.trains and self.rule.in_flight
         if self.generating and not concurrent:
             return None
         if not self.trains:
             return j
         if self.syncing and not concurrent:
             return None  # overlap: the sync has the engines to itself
-        lag = 0 if self.schedule == "partial" else self.max_staleness
+        lag = self.max_staleness if self.rule.generates_ahead else 0
         return j if self.served >= j - lag else None
 
     def next_training(self) -> int | None:
@@ -109,7 +153,7 @@ class Pipeline:
             return False
         if self.trained <= self.served or self.sync_held_for:
             return False
-        return not self.generating or self.schedule == "in_flight"
+        return not self.generating or self.rule.in_flight
 
     @property
     def done(self) -> bool:

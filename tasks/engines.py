@@ -21,12 +21,8 @@ from engines import (
 from engines.client import get
 from tasks.cluster import Cluster
 from tasks.run.params import EngineParams
-from tasks.run.pool import EnginePool
+from tasks.run.pool import FETCH_TIMEOUT_S, EnginePool
 from tasks.run.scope import RunScope, sweep_run
-
-# A result that `ray.wait` reported ready is fetched at once; the deadline only
-# guards against a pathological object store.
-FETCH_TIMEOUT_S = 30.0
 
 
 def retry_on_engine_failure(task, task_run, state) -> bool:

@@ -19,10 +19,9 @@ import ray
 from engines import EngineFailure, EngineTimeoutError, RequestError
 from engines.client import get
 from engines.sampling import SamplingParams
-from tasks.engines import FETCH_TIMEOUT_S
 from tasks.partial.segments import GroupState, SampleState
 from tasks.run.dispatch import cancel
-from tasks.run.pool import EnginePool
+from tasks.run.pool import FETCH_TIMEOUT_S, EnginePool
 
 
 @dataclass(eq=False)

@@ -30,17 +30,6 @@ def segment_seed(seed: int, index: int, generated: int) -> int:
     return ((seed * 1_000_003 + index) * 1_000_003 + generated) % (2**63)
 
 
-def record_sampling(sampling: SamplingParams, metadata: dict[str, Any]) -> SamplingParams:
-    """A prompt row's own `max_tokens` (the long-tail workload's column)
-    overrides the run's."""
-    max_tokens = metadata.get("max_tokens")
-    if max_tokens is None:
-        return sampling
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"a prompt row's max_tokens must be an integer >= 1, got {max_tokens!r}")
-    return sampling.model_copy(update={"max_tokens": max_tokens})
-
-
 @dataclass
 class SampleState:
     """One sample of a group and what its segments generated so far."""

@@ -34,21 +34,16 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.engines import retry_on_engine_failure
-from tasks.generate import (
-    GenerationPlan,
-    IterationReport,
-    PolicyLink,
-    add_rewards,
-    restarts,
-    start_try,
-)
+from tasks.generate import start_try
 from tasks.partial.runner import SegmentRunner
-from tasks.partial.segments import GroupState, SampleState, record_sampling
+from tasks.partial.segments import GroupState, SampleState
+from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
 from tasks.run.pool import EnginePool
 from tasks.run.progress import IterationProgress
 from tasks.run.prompts import Prompts
-from tasks.run.records import rows_for, with_input
+from tasks.run.records import record_sampling, rows_for, with_input
 from tasks.run.shards import Shard, ShardStore, write_atomically
+from tasks.run.writer import add_rewards
 
 
 @dataclass(frozen=True)
@@ -175,7 +170,7 @@ def generate_partial_rollouts(
         iteration=g.iteration, directory=str(g.directory), shards=1, rows=batch * g.sampling.n
     )
     if store.is_done(shard) and carry.path(g.iteration).exists():
-        progress.reused(batch * g.sampling.n, restarts(pool))
+        progress.reused(batch * g.sampling.n, pool.restarts)
         return IterationReport(
             **report, shards_skipped=1, seconds=0.0, generated_rows=0, generated_tokens=0
         )
@@ -208,7 +203,7 @@ def generate_partial_rollouts(
     if keep:
         left.hold(runner, carry, g.iteration, rest)
     counts = runner.counts
-    progress.written(len(rows), counts.tokens, restarts(pool))
+    progress.written(len(rows), counts.tokens, pool.restarts)
     logger.info(
         "iteration %d: %d groups taken (%d at their wait bound), %d carried; "
         "%d segments (%d resumed, %d aborted), %d tokens",

@@ -9,9 +9,9 @@ import uuid
 from typing import Any
 
 from agents.runner import run_prompt
-from tasks.generate import ShardWriter, add_advantages
 from tasks.run.records import trajectory_row, with_input
 from tasks.run.shards import Shard
+from tasks.run.writer import ShardWriter, add_advantages
 
 
 class AgentWriter(ShardWriter):

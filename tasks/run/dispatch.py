@@ -27,8 +27,7 @@ import ray
 
 from engines import EngineFailure, EngineTimeoutError, RequestError
 from engines.client import get
-from tasks.engines import FETCH_TIMEOUT_S
-from tasks.run.pool import EnginePool
+from tasks.run.pool import FETCH_TIMEOUT_S, EnginePool
 from tasks.run.shards import Shard
 
 #: Deadline for an engine's load report (an answer from its event loop, no

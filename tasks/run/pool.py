@@ -29,6 +29,10 @@ from engines import (
 from engines.client import get
 from tasks.run.concurrency import EngineWindows
 
+#: A result of a pool engine that `ray.wait` reported ready is fetched at
+#: once; the deadline only guards against a pathological object store.
+FETCH_TIMEOUT_S = 30.0
+
 
 @dataclass
 class EngineStats:
@@ -92,6 +96,11 @@ class EnginePool:
 
     def name(self, index: int) -> str:
         return self.engines.names[index]
+
+    @property
+    def restarts(self) -> int:
+        """Engine restarts so far, over every engine."""
+        return sum(stats.restarts for stats in self.stats)
 
     def live(self) -> list[int]:
         """The engines that may get work: not failed, and not a replacement

@@ -3,13 +3,15 @@ built from an engine's `RequestOutput` or from an agent session's
 `TrajectorySample`. Beside the engine's fields a row carries its input
 row's id, label and metadata columns, and (on-policy runs) the reward and
 the advantage the policy step used. Every row has the multi-turn columns:
-a single-turn row is one assistant turn with its whole response sampled."""
+a single-turn row is one assistant turn with its whole response sampled.
+Also what a prompt row decides of its requests: their seeds and sampling."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engines.outputs import RequestOutput
+from engines.sampling import SamplingParams
 from engines.trajectory import TrajectorySample
 
 
@@ -85,6 +87,17 @@ def request_seed(
     """The seed of one request, unique within a run: the rollout of a prompt
     does not depend on which engine served it, or on which attempt."""
     return base_seed + iteration * num_prompts + prompt_index + refill_round * REFILL_SEED_STRIDE
+
+
+def record_sampling(sampling: SamplingParams, metadata: dict[str, Any]) -> SamplingParams:
+    """A prompt row's own `max_tokens` (the long-tail workload's column)
+    overrides the run's."""
+    max_tokens = metadata.get("max_tokens")
+    if max_tokens is None:
+        return sampling
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"a prompt row's max_tokens must be an integer >= 1, got {max_tokens!r}")
+    return sampling.model_copy(update={"max_tokens": max_tokens})
 
 
 def rows_for(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engines.weight_sync import SyncReport
-    from tasks.generate import IterationReport
+    from tasks.run.plans import IterationReport
     from training.trainer import StepReport
 
 CURVES_FILE = "curves.png"

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from agents import tool_task
 from agents.loading import AgentRef
 from agents.router.proxy import SessionDefaults
-from flows.rollout import SideActors, rollout
+from flows.rollout import rollout
+from flows.side_actors import SideActors
 from tasks.run.shards import read_rows
 
 #: `make run-agent`'s parameters (the CLI's demo preset under --agent).

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from engines.sampling import SamplingParams
 from flows.arguments import parse_params
-from flows.params import SAMPLED_WHEN_SET, RolloutParams, SamplingSection, sectioned
+from flows.params import RolloutParams, sectioned
+from flows.sampling import SAMPLED_WHEN_SET, SamplingSection
 
 
 def params(**values) -> RolloutParams:
@@ -262,16 +263,34 @@ def test_the_run_form_shows_the_sections_only():
     schema = parameter_schema(rollout.fn)
     assert list(schema.properties) == ["params"]
     sections = schema.definitions["RolloutParams"]["properties"]
-    assert list(sections) == ["data", "engines", "sampling", "training", "output", "cluster"]
+    assert list(sections) == [
+        "data",
+        "engines",
+        "sampling",
+        "training",
+        "agents",
+        "output",
+        "cluster",
+    ]
 
 
 def test_an_agent_gives_the_reward_and_trains():
     run = params(agent="agents.tool_task:agent")
-    assert run.training.agentic and run.training.on_policy
+    assert run.agents.agentic and run.on_policy
     with pytest.raises(ValidationError, match="reward and agent both give the reward"):
         params(agent="agents.tool_task:agent", reward="training.letter_task:reward")
     with pytest.raises(ValidationError, match="agent and agent_func_path"):
         params(agent="agents.tool_task:agent", agent_func_path="f.py")
+
+
+def test_agent_runs_have_a_section_of_their_own_and_keep_their_flags(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("agents:\n  agent_timeout_s: 30\n")
+    run = parse_params(["--config", str(config), "--agent", "agents.tool_task:agent"])
+    assert (run.agents.agent, run.agents.agent_timeout_s) == ("agents.tool_task:agent", 30.0)
+    assert parse_params(["--agent-func-path", "f.py"]).agents.agent_func_path == "f.py"
+    with pytest.raises(ValidationError, match=r"agent -> agents\.agent"):
+        RolloutParams.model_validate({"agent": "agents.tool_task:agent"})
 
 
 def test_cli_agent_runs_leave_the_demo_reward_out():

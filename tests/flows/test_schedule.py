@@ -3,9 +3,11 @@ starts next under each schedule, and the idle time it records."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
-from flows.schedule import Pipeline
+from flows.schedule import SCHEDULES, Pipeline, Schedule
 
 
 def drain(pipeline: Pipeline, *, newest_first: bool = False) -> list[str]:
@@ -298,3 +300,8 @@ def test_a_plain_run_only_generates():
 def test_bad_schedules_are_named(schedule, staleness, message):
     with pytest.raises(ValueError, match=message):
         Pipeline(2, schedule, staleness)
+
+
+def test_every_schedule_the_parameters_accept_has_its_rule():
+    assert list(SCHEDULES) == list(get_args(Schedule))
+    assert [rule.bound(3) for rule in SCHEDULES.values()] == [0, 3, 3, 3]

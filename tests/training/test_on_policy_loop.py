@@ -16,10 +16,10 @@ from prefect import flow
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
-from tasks.generate import add_rewards
 from tasks.run.prompts import PromptRecord
 from tasks.run.records import rows_for
 from tasks.run.shards import read_rows, write_atomically
+from tasks.run.writer import add_rewards
 from tasks.sync_weights import init_weight_sync, sync_weights
 from tasks.train import train_on_rollouts, wait_for_policy
 from training.policy import PolicyConfig, create_policy_actor

@@ -4,11 +4,9 @@ carry's JSON round trip."""
 
 from __future__ import annotations
 
-import pytest
-
 from engines.outputs import CompletionOutput, Logprob, RequestOutput
 from engines.sampling import SamplingParams
-from tasks.partial.segments import GroupState, SampleState, record_sampling, segment_seed
+from tasks.partial.segments import GroupState, SampleState, segment_seed
 from tasks.run.records import rows_for
 
 SAMPLING = SamplingParams(n=4, max_tokens=10, min_tokens=3, temperature=1.0, logprobs=0)
@@ -67,11 +65,3 @@ def test_a_group_with_an_unfinished_sample_is_not_complete():
     assert not group.complete
     samples[1].absorb(*answer([], [], "abort"))  # aborted before its batch ran
     assert not group.complete and samples[1].prompt() == [7, 8]
-
-
-def test_a_rows_max_tokens_overrides_the_runs_and_a_bad_one_is_named():
-    assert record_sampling(SAMPLING, {"max_tokens": 512}).max_tokens == 512
-    assert record_sampling(SAMPLING, {"other": 1}) is SAMPLING
-    for bad in (0, "8", True, 2.5):
-        with pytest.raises(ValueError, match=f"max_tokens must be an integer >= 1, got {bad!r}"):
-            record_sampling(SAMPLING, {"max_tokens": bad})

@@ -1,16 +1,20 @@
 """Rows' multi-turn columns: a single-turn row fills them, an agent
 sample's row is its trajectory; both survive a shard's write and read and
-train as `groups_from_rows` reads them."""
+train as `groups_from_rows` reads them. A prompt row's own max_tokens sets
+its requests' budget."""
 
 from __future__ import annotations
 
 import pytest
 
 from engines.outputs import CompletionOutput, RequestOutput
+from engines.sampling import SamplingParams
 from engines.trajectory import NOT_SAMPLED, TrajectorySample, TurnSpan
-from tasks.run.records import rows_for, trajectory_row
+from tasks.run.records import record_sampling, rows_for, trajectory_row
 from tasks.run.shards import ShardStore, plan_shards, read_rows
 from training.rollouts import groups_from_rows
+
+SAMPLING = SamplingParams(n=4, max_tokens=10, min_tokens=3, temperature=1.0, logprobs=0)
 
 
 def single_turn_row() -> dict:
@@ -90,3 +94,11 @@ def test_both_kinds_of_rows_round_trip_and_train(tmp_path, output_format):
     single, multi = group.samples
     assert single.sampled_tokens == 3 and multi.sampled_tokens == 3
     assert multi.oldest_version == 4
+
+
+def test_a_rows_max_tokens_overrides_the_runs_and_a_bad_one_is_named():
+    assert record_sampling(SAMPLING, {"max_tokens": 512}).max_tokens == 512
+    assert record_sampling(SAMPLING, {"other": 1}) is SAMPLING
+    for bad in (0, "8", True, 2.5):
+        with pytest.raises(ValueError, match=f"max_tokens must be an integer >= 1, got {bad!r}"):
+            record_sampling(SAMPLING, {"max_tokens": bad})

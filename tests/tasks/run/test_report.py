@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from engines.weight_sync import SyncReport
-from tasks.generate import IterationReport
+from tasks.run.plans import IterationReport
 from tasks.run.report import (
     IterationMetrics,
     TrainingRow,
