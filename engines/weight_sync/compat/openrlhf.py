@@ -5,7 +5,7 @@ our engines unchanged (its `openrlhf/trainer/ray/vllm_engine.py` call sites):
 broadcast from rank 0, or `update_weight_cuda_ipc(name, dtype, shape,
 ipc_handles, empty_cache)` when colocated.
 
-The trainer side is OpenRLHF's own code (tests/engines/openrlhf_trainer.py
+The trainer side is OpenRLHF's own code (tests/engines/weight_sync/openrlhf_trainer.py
 mirrors it). The first call of a sync opens a session implicitly (pause).
 It commits version + 1 on the call with `empty_cache=True` (OpenRLHF sends it
 with the last parameter) or, for trainers that never send one (older
