@@ -22,6 +22,7 @@ from training.grpo import (
     truncated_is_weights,
 )
 from training.rollouts import RolloutGroup, RolloutSample, StaleRolloutError
+from training.sync_buffer import SyncBuffer
 from training.trainer import StepReport, Trainer
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class ReferencePolicy(Trainer):
         self.sync_dtype = getattr(
             torch, self.config.sync_dtype or checkpoint_dtype(self.config.pretrain)
         )
+        self._sync_buffer = SyncBuffer(self.sync_dtype)
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -117,14 +119,15 @@ class ReferencePolicy(Trainer):
 
     # --- Trainer ------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, Any]]:
-        # float32 master weights, sent in the engines' dtype (a bf16 vLLM
-        # engine accepts bf16 only). With LoRA, the adapter's alone (peft's names).
+        """float32 master weights, sent in the engines' dtype (a bf16 vLLM
+        engine accepts bf16 only): cast into the one buffer of `SyncBuffer`,
+        written again by the next call. With LoRA, the adapter's alone
+        (peft's names)."""
         if self.lora is not None:
             from peft import get_peft_model_state_dict
 
-            adapter = get_peft_model_state_dict(self.model)
-            return [(name, t.detach().to(self.sync_dtype)) for name, t in adapter.items()]
-        return [(name, p.detach().to(self.sync_dtype)) for name, p in self.model.named_parameters()]
+            return self._sync_buffer.cast(list(get_peft_model_state_dict(self.model).items()))
+        return self._sync_buffer.cast(list(self.model.named_parameters()))
 
     def _lora(self) -> LoraSync | None:
         c = self.config

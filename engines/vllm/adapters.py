@@ -19,6 +19,7 @@ verl patches `_load_adapter` to read tensors from the request instead
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +159,7 @@ class VllmAdapters(AdapterStore):
         register the adapter of `version`: built from `tensors`, or, for a
         packed adapter of the layout of one just removed, that one's
         LoRAModel with the new bytes written into its tensors."""
+        started = time.monotonic()
         adapters = self.adapters
         spare = None
         # A version synced again replaces its adapter.
@@ -166,10 +168,15 @@ class VllmAdapters(AdapterStore):
             built = self._built.pop(old, None)
             if spare is None and built is not None and built.fits(tensors, spec):
                 spare = built
+        removed = time.monotonic()
+        self.times = {"remove_s": removed - started}
         if spare is not None:
             spare.refill(tensors, adapter_id(version))
+            refilled = time.monotonic()
             adapters.add_adapter(spare.lora)
             self._built[version] = spare
+            # refill_s: the new bytes into the LoRAModel of a removed version.
+            self.times.update(refill_s=refilled - removed, add_s=time.monotonic() - refilled)
             return
         own, views = tensors.copy_into() if isinstance(tensors, PackedAdapter) else (None, tensors)
         lora, scaling = self._build(version, spec, views)
@@ -178,6 +185,8 @@ class VllmAdapters(AdapterStore):
             built = Built.of(lora, own, tensors.bucket, spec, scaling)
             if built is not None:
                 self._built[version] = built
+        # build_s: a LoRAModel built anew and registered (the first syncs, a new layout).
+        self.times["build_s"] = time.monotonic() - removed
 
     def _build(self, version: int, spec: LoraSpec, tensors: dict[str, Any]) -> tuple[Any, float]:
         """vLLM's LoRAModel of `tensors` (views of them, in vLLM's dtype) and

@@ -23,6 +23,8 @@ from gpu_helpers import (
 from gpu_trainer import BF16Policy
 from policy_probes import PolicyProbes
 
+from engines.weight_sync.lora.sender import LOAD_PARTS
+
 TIMEOUT_S = 180
 RANK = 16
 #: Scaling alpha / rank = 8: a change of the adapter by noise of std 0.01
@@ -159,6 +161,25 @@ class AdapterSync:
     seconds: float
     report: Any = field(repr=False)  # SyncReport | None
     served: int
+
+
+def breakdown_ms(report: Any) -> dict[str, float]:
+    """Where a CUDA IPC adapter sync's milliseconds went: packing on the
+    trainer, the call's way to the engine actor and on to its worker, the
+    worker's load (and its parts: `lora.sender.LOAD_PARTS`), and the way
+    back (the answer through vLLM's engine core, the actor's commit, Ray).
+    Moments are offsets into the sync (`Phases.engines_reported`)."""
+    times, pack = report.engine_times, report.phases["pack"]
+    parts = {
+        "total": report.seconds,
+        "pack": pack,
+        "to_actor": times["actor_in_at"] - pack,
+        "to_worker": times["worker_in_at"] - times["actor_in_at"],
+        "load": times["load_s"],
+        "back": report.seconds - times["loaded_at"],
+    }
+    parts.update((k.removesuffix("_s"), times[k]) for k in LOAD_PARTS if k in times)
+    return {k: round(v * 1e3, 3) for k, v in parts.items()}
 
 
 def adapter_syncs(engines, policy, transport: str, syncs: int, perturb: float, directory: str):

@@ -186,6 +186,10 @@ class AdapterStore(ABC):
     the CPU backend: `engines/hf/adapters.py`), and its worker makes one
     (`new_adapter_store`, asked by `lora/worker.py` on the first adapter)."""
 
+    #: The seconds of the last `load`'s parts by name (`*_s`), which the
+    #: sync's report carries; a store that times none leaves it empty.
+    times: dict[str, float] = {}  # replaced by each load, never mutated
+
     @abstractmethod
     def problems(
         self, spec: LoraSpec, names: list[str], version: int, remove: list[int]

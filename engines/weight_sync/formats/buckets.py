@@ -112,6 +112,32 @@ def pack_bucket(bucket: Bucket, tensors: dict[str, Any], out: Any = None, device
     return out
 
 
+class PackedViews:
+    """A flat uint8 buffer laid out by `bucket`, kept across syncs, with a
+    typed view of each entry made once: a pack is then one fused
+    `_foreach_copy_` (a few kernel launches) instead of a check, a view and a
+    copy per tensor in Python (336 of them for a rank-16 adapter on a 0.5B
+    model: most of that sync's time on the trainer)."""
+
+    def __init__(self, bucket: Bucket, buffer: Any):
+        if buffer.numel() < bucket.nbytes or buffer.element_size() != 1:
+            raise ValueError(
+                f"buffer of {buffer.numel()} {buffer.dtype} cannot hold {bucket.nbytes} bytes"
+            )
+        self.bucket = bucket
+        self.buffer = buffer
+        self.views = [view for _, view in unpack_bucket(bucket, buffer)]
+
+    def pack(self, tensors: list[Any]) -> None:
+        """Copy `tensors`, in the bucket's order and of its dtypes and shapes
+        (the caller's manifest said so), into their views; asynchronous."""
+        import torch
+
+        if len(tensors) != len(self.views):
+            raise ValueError(f"{len(tensors)} tensors for a bucket of {len(self.views)}")
+        torch._foreach_copy_(self.views, tensors)
+
+
 def bucket_key(index: int) -> str:
     """The name a bucket's checksum goes by (trainer and engines alike)."""
     return f"bucket-{index}"

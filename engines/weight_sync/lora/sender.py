@@ -19,10 +19,13 @@ from engines.weight_sync.coordinator import (
 from engines.weight_sync.errors import WeightSyncError
 from engines.weight_sync.formats import ipc_handles as ipc
 from engines.weight_sync.formats.adapter import VIAS, LoraSync, save_adapter
-from engines.weight_sync.formats.buckets import ALIGN, Bucket, pack_bucket, plan_buckets
+from engines.weight_sync.formats.buckets import ALIGN, PackedViews, plan_buckets
 from engines.weight_sync.probe import ProbeResult
 from engines.weight_sync.protocol import SenderOptions, SyncReport
 
+#: The parts of a worker's `load_s` its answer times (`lora.worker.worker_load`,
+#: `AdapterStore.times`), carried into the report's `engine_times`.
+LOAD_PARTS = ("check_s", "remove_s", "refill_s", "build_s", "add_s", "gpu_wait_s")
 #: The trainer's full-weight transport -> how its adapter travels instead.
 VIA_OF_TRANSPORT = {"cuda_ipc": "cuda_ipc", "checkpoint": "checkpoint", "broadcast": "inline"}
 
@@ -42,10 +45,10 @@ class LoraSender:
         self.checkpoint_dir = checkpoint_dir
         self.transport = f"lora-{via}"
         self.engines: list[Any] = []
-        # cuda_ipc: (manifest, bucket, buffer) of the packed buffer the
-        # engines keep mapped, and its name.
+        # cuda_ipc: (manifest, packed buffer) the engines keep mapped, and its name.
         self._manifests = ManifestCache()
-        self._packed: tuple[Any, Bucket, Any] | None = None
+        self._checked: Any = None  # the manifest whose tensors check_tensors passed
+        self._packed: tuple[Any, PackedViews] | None = None
         self._mapping: str | None = None
         self._mapped = False
 
@@ -67,7 +70,7 @@ class LoraSender:
         self._mapped = False
         self.engines = []
 
-    def _payload(self, weights: list[tuple[str, Any]], version: int) -> Any:
+    def _payload(self, weights: list[tuple[str, Any]], version: int, manifest: Any) -> Any:
         if self.via == "inline":
             from safetensors.torch import save
 
@@ -78,40 +81,46 @@ class LoraSender:
                     weights, self.lora.spec, Path(self.checkpoint_dir, f"lora-v{version:06d}")
                 )
             )
-        return self._pack(weights)
+        return self._pack(weights, manifest)
 
-    def _pack(self, weights: list[tuple[str, Any]]) -> bytes:
+    def _pack(self, weights: list[tuple[str, Any]], manifest: Any) -> bytes:
         """One buffer of every tensor (a broadcast bucket's layout), kept
-        across syncs: the engines map it once, so a later sync sends only
-        its name and opens nothing."""
+        across syncs with its views (`PackedViews`): the engines map it once,
+        so a later sync sends only its name and opens nothing, and packing
+        is one fused copy."""
         import torch
 
         if not all(t.is_cuda for _, t in weights):
             raise ValueError("CUDA IPC sends an adapter on a GPU")
-        manifest = self._manifests.of(weights)
         if self._packed is None or self._packed[0] is not manifest:
             room = manifest.nbytes + ALIGN * len(manifest.params)  # one bucket
             (bucket,) = plan_buckets(manifest, room).buckets
             buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=weights[0][1].device)
-            self._packed = (manifest, bucket, buffer)
+            self._packed = (manifest, PackedViews(bucket, buffer))
             self._mapping, self._mapped = uuid.uuid4().hex, False
-        _, bucket, buffer = self._packed
-        pack_bucket(bucket, dict(weights), out=buffer)
-        torch.cuda.synchronize(buffer.device)  # the engines read it from another process
+        # The manifest is the cache's while names, dtypes and shapes stay:
+        # the views fit the tensors.
+        packed = self._packed[1]
+        packed.pack([t for _, t in weights])
+        torch.cuda.synchronize(packed.buffer.device)  # the engines read it from another process
         if self._mapped:
             return ipc.dumps({"mapping": self._mapping, "handles": None, "bucket": None})
-        layout = bucket.model_dump(mode="json")
-        return ipc.dumps({"mapping": self._mapping, "handles": ipc.share(buffer), "bucket": layout})
+        layout = packed.bucket.model_dump(mode="json")
+        handles = ipc.share(packed.buffer)
+        return ipc.dumps({"mapping": self._mapping, "handles": handles, "bucket": layout})
 
     def sync(self, weights: Any, version: int, probe: Any = None) -> SyncReport:
         # `probe` is not run: an adapter version is served from its commit
         # on, after the point where the engines run the probe.
         if not self.engines:
             raise WeightSyncError("call init(engines) before sync")
-        weights = trainer_weights(weights)
-        self.lora.spec.check_tensors(weights)
         phases = Phases()
-        payload = self._payload(weights, version)
+        weights = trainer_weights(weights)
+        manifest = self._manifests.of(weights)
+        if manifest is not self._checked:  # the same names and shapes passed before
+            self.lora.spec.check_tensors(weights)
+            self._checked = manifest
+        payload = self._payload(weights, version, manifest)
         phases.done("pack")
         wake = self.via == "cuda_ipc"  # colocated engines may sleep during training
         coordinator = Coordinator(self.engines, self.config)
@@ -129,11 +138,12 @@ class LoraSender:
         # Moments compare clocks: only colocated engines (CUDA IPC) share the trainer's.
         stamps = ("actor_in_at", "worker_in_at", "loaded_at", "actor_out_at") if wake else ()
         phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s", *stamps)
+        phases.engines_reported(received, *LOAD_PARTS)
         phases.done("transfer")
         if not received[0].committed:
             coordinator.finish(version, wake=["kv_cache"] if wake else None)
             phases.done("finish")
-        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        nbytes = manifest.nbytes
         skipped = ProbeResult("skipped", note="adapter syncs are not probed")
         return phases.report(
             version, self.transport, len(self.engines), nbytes=nbytes, verified=False, probe=skipped

@@ -58,14 +58,19 @@ def worker_load(
     problems = store.problems(checked, names, version, remove)
     if problems:
         return WorkerAnswer(problems=problems, holds_sync_state=False).plain()
+    checked_at = time.monotonic()
     store.load(version, checked, tensors, remove)
+    stored = time.monotonic()
     if worker.device.type == "cuda":
         import torch
 
         torch.cuda.synchronize(worker.device)  # the copy out of the trainer's buffer is done
     nbytes = tensors.nbytes if packed else sum(nbytes_of(t) for t in tensors.values())
     done = time.monotonic()
-    times = {"open_s": open_s, "load_s": done - opened}
+    # load_s, in parts: the checks, the store's own (`AdapterStore.times`),
+    # and the wait for the GPU's copies.
+    times = {"open_s": open_s, "load_s": done - opened, "check_s": checked_at - opened}
+    times.update(store.times, gpu_wait_s=done - stored)
     times.update(worker_in_at=opened - open_s, loaded_at=done)
     return WorkerAnswer(bytes=nbytes, holds_sync_state=False, times=times).plain()
 

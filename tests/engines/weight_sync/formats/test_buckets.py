@@ -7,6 +7,7 @@ import torch
 
 from engines.weight_sync.formats.buckets import (
     ALIGN,
+    PackedViews,
     iter_buckets,
     pack_bucket,
     plan_buckets,
@@ -74,3 +75,32 @@ def test_iter_buckets_refuses_out_of_order_weights():
     plan = plan_buckets(Manifest.of(tensors), 1 << 20)
     with pytest.raises(ValueError, match="'b.bias' arrived where the plan has 'a.weight'"):
         list(iter_buckets(plan, tensors[1:] + tensors[:1]))
+
+
+def test_packed_views_pack_the_bucket_s_bytes_again_and_again():
+    """A kept buffer (the LoRA sender's) packed by one fused copy holds what
+    pack_bucket would, sync after sync, in the same memory, and strided
+    sources (a transposed tensor) land contiguous."""
+    tensors = mixed_tensors()
+    tensors[0] = ("a.weight", torch.randn(3, 7).t())  # non-contiguous
+    (bucket,) = plan_buckets(Manifest.of(tensors), 1 << 20).buckets
+    packed = PackedViews(bucket, torch.zeros(bucket.nbytes, dtype=torch.uint8))
+    address = packed.buffer.data_ptr()
+    for step in range(2):
+        changed = [(n, t + step if t.numel() else t) for n, t in tensors]
+        packed.pack([t for _, t in changed])
+        expected = pack_bucket(bucket, dict(changed))
+        for entry in bucket.entries:  # the bytes of every entry (not the padding)
+            span = slice(entry.offset, entry.offset + entry.param.nbytes)
+            assert torch.equal(packed.buffer[span], expected[span]), entry.param.name
+        assert packed.buffer.data_ptr() == address
+
+
+def test_packed_views_refuse_a_buffer_or_tensors_that_do_not_fit():
+    tensors = mixed_tensors()
+    (bucket,) = plan_buckets(Manifest.of(tensors), 1 << 20).buckets
+    with pytest.raises(ValueError, match=f"cannot hold {bucket.nbytes} bytes"):
+        PackedViews(bucket, torch.zeros(bucket.nbytes - 1, dtype=torch.uint8))
+    packed = PackedViews(bucket, torch.zeros(bucket.nbytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=f"6 tensors for a bucket of {len(tensors)}"):
+        packed.pack([t for _, t in tensors[:-1]])
