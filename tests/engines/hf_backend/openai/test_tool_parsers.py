@@ -67,7 +67,9 @@ def test_required_without_a_call_returns_the_text_not_nothing():
         choice = chat_choice(said, "required", None, None, False)
         assert (choice.message.content, choice.message.tool_calls) == (text, [])
         assert choice.finish_reason == "stop"
-    hermes_call = chat_choice(CompletionOutput(0, [1], WEATHER, "stop"), "required", hermes, None, 0)
+    hermes_call = chat_choice(
+        CompletionOutput(0, [1], WEATHER, "stop"), "required", hermes, None, 0
+    )
     assert [c.function.name for c in hermes_call.message.tool_calls] == ["get_weather"]
     assert hermes_call.finish_reason == "tool_calls"
     two = '[{"name": "f", "parameters": null}, {"name": "g"}]'
