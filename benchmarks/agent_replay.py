@@ -18,8 +18,12 @@ each its turns in order.
   lengths spread evenly over 256-512 in an order its seeded RNG draws: every
   session sends the same 6,144 tool tokens, so its last turn fits Llama-3-8B's
   8,192 positions (independent draws would push the longest of 64 sessions
-  past them). 64 sessions: 4 engines of the 8B shape on one H200 run the
-  whole benchmark (7 passes over the trace) in about 6 minutes.
+  past them). 64 sessions, 16 per engine with 4: enough to keep the shared
+  GPU busy, so the prefill round robin adds shows in the wall time, while 7
+  passes over the trace (warm-up, x8 and x1 of each routing, a second x8
+  of each) should stay near 6 minutes on one H200 with 4 engines of the 8B
+  shape (an estimate from its prefill rate, not yet a measurement; 32
+  sessions halve the passes).
 Before any engine starts, the trace's longest prompt plus its answer is
 checked against the engines' max length. With the byte-level models an
 answer goes back into the history as ASCII ('?' for what is not), so it
@@ -364,7 +368,7 @@ def main() -> None:
     parser.add_argument(
         "--sessions",
         type=int,
-        help="default 64 (the coding trace's 64 run in about 6 minutes on one H200, 4 engines)",
+        help="default 64 (enough to keep one H200 busy; see the coding trace above)",
     )
     parser.add_argument("--turns", type=int)
     parser.add_argument("--system-tokens", type=int)
