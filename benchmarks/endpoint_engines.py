@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_bench_sync import LLAMA_8B
+
+#: The tiny models' positions (`engines.tiny_model`), the 0.28B one's too.
+DEFAULT_MAX_LEN = 4096
 #: The GPU suite's model: a random Llama of 0.28B parameters, byte-level vocabulary.
 MODEL_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, dtype="bfloat16", init_std=0.02)
 READY_TIMEOUT_S = 900
@@ -34,12 +38,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm: the built model's shape; 8b is Llama-3-8B's layers with vLLM's dummy "
         "weights (a model whose GPU work per token is a real one's)",
     )
-    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        help="the engines' max model length; default: the model's positions "
+        f"({LLAMA_8B['max_position_embeddings']} for 8b, {DEFAULT_MAX_LEN} otherwise)",
+    )
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument(
         "--clients", type=int, default=8, help="client processes driving the endpoint"
     )
+
+
+def max_len(args) -> int:
+    """--max-len, else the positions of the model the engines serve."""
+    if args.max_len:
+        return args.max_len
+    built_8b = args.backend == "vllm" and args.shape == "8b" and not args.model
+    return LLAMA_8B["max_position_embeddings"] if built_8b else DEFAULT_MAX_LEN
 
 
 def model_path(args) -> str:
@@ -49,11 +66,14 @@ def model_path(args) -> str:
         from engines.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
-    path = os.path.join(tempfile.gettempdir(), f"bench-llama-{args.shape}")
+    # The 8B copy's name holds its positions: a copy built before they were
+    # raised (4,096) is not taken for this one.
+    tag = f"8b-{LLAMA_8B['max_position_embeddings']}" if args.shape == "8b" else args.shape
+    path = os.path.join(tempfile.gettempdir(), f"bench-llama-{tag}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     if args.shape == "8b":
-        from gpu_bench_sync import LLAMA_8B, build_sparse_model
+        from gpu_bench_sync import build_sparse_model
 
         # The byte-level vocabulary of the tiny models, so every sampled id decodes.
         build_sparse_model(Path(path), {**LLAMA_8B, "vocab_size": 320})
@@ -94,7 +114,10 @@ def serve(args, count: int, *, prefix_caching: bool, name: str) -> Served:
 
     from engines import create_vllm_engines
 
-    ray.init(address="local", include_dashboard=False, namespace=name)
+    # A CPU engine takes a CPU of Ray's: on a small box, more engines than
+    # cores share them (the CPU run exercises the code, its speed is no figure).
+    cpus = max(os.cpu_count() or 1, count) if args.backend == "hf" else None
+    ray.init(address="local", include_dashboard=False, namespace=name, num_cpus=cpus)
     model = model_path(args)
     kwargs: dict[str, Any] = {}
     pg = None
@@ -117,7 +140,7 @@ def serve(args, count: int, *, prefix_caching: bool, name: str) -> Served:
     engines = create_vllm_engines(
         num_engines=count,
         pretrain=model,
-        max_len=args.max_len,
+        max_len=max_len(args),
         backend=args.backend,
         name_prefix=name,
         enable_prefix_caching=prefix_caching,

@@ -25,7 +25,7 @@ handles are opened); the table shows the median of the last three.
 
 The 0.28B model is the GPU tests' model (random weights, written with
 transformers). The 7B model has Llama-3-8B's layer shapes (hidden 4096, 32
-layers, MLP 14336, 32/8 heads; vocabulary 32,000): the engine starts from
+layers, MLP 14336, 32/8 heads, 8,192 positions; vocabulary 32,000): the engine starts from
 vLLM's dummy weights (`load_format="dummy"`), its checkpoint is a sparse
 safetensors file (headers only: the engines read their layout from it), and
 the trainers send random bf16 tensors. The values do not change how fast bytes move.
@@ -55,6 +55,8 @@ LLAMA_8B = dict(
     num_hidden_layers=32,
     num_attention_heads=32,
     num_key_value_heads=8,
+    # Llama-3-8B's context: the endpoint benchmarks' agent traces need it.
+    max_position_embeddings=8192,
 )
 
 
@@ -70,7 +72,6 @@ def build_sparse_model(path: Path, shape: dict) -> Path:
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         **shape,
-        max_position_embeddings=4096,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -25,6 +25,7 @@ from agents.router.placement import ROUTINGS, RouterStats, Routing
 from agents.router.proxy import SessionDefaults, SessionProxy, build_app
 from agents.router.transport import AiohttpTransport
 from engines.errors import EngineSpecError
+from engines.load import EngineLoad
 from engines.serving import OpenAIServer
 from engines.trajectory import TrajectorySample
 
@@ -77,7 +78,10 @@ class RouterActor:
                 return False
             return True
 
-        self._proxy = SessionProxy(urls, api_key, routing, self._client, alive, defaults)
+        async def load(name: str) -> EngineLoad:
+            return await self._handles[name].load.remote()
+
+        self._proxy = SessionProxy(urls, api_key, routing, self._client, alive, load, defaults)
         proxy = self._proxy
         url = await self._server.start(build_app(proxy), api_key, lambda: proxy.latest_version)
         return url.removesuffix("/v1")
@@ -108,7 +112,7 @@ class RouterActor:
         return await self._proxy.take(session_id)
 
     async def stats(self) -> RouterStats:
-        return self._proxy.stats()
+        return await self._proxy.stats()
 
     async def close(self) -> None:
         """Stop serving, forget every session, close the engines' client."""

@@ -17,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from agents.router.loads import AskLoad, LoadReports
 from agents.router.placement import NoLiveEngineError, RouterStats, Routing, SessionPlacement
 from agents.router.turns import TrajectoryBuilder, TurnParseError, describe_split, parse_turn
 from engines.serving import VERSIONS_HEADER, error_body, record_versions
@@ -78,7 +79,8 @@ class _Session:
 class SessionProxy:
     """Routes requests to engines (`engines`: name -> base URL, without /v1;
     `alive(name)`: whether that engine's actor still serves, asked when its
-    connection is lost; `defaults`: the run's sampling for its sessions)."""
+    connection is lost; `load(name)`: that engine's own `EngineLoad`, which
+    placement weighs; `defaults`: the run's sampling for its sessions)."""
 
     def __init__(
         self,
@@ -87,9 +89,11 @@ class SessionProxy:
         routing: Routing,
         client: httpx.AsyncClient,
         alive: Callable[[str], Awaitable[bool]],
+        load: AskLoad,
         defaults: SessionDefaults = SessionDefaults(),  # noqa: B008 - frozen
     ):
         self.placement = SessionPlacement(engines, routing)
+        self.reports = LoadReports(self.placement, load)
         self.defaults = defaults
         self._alive = alive
         self.api_key = api_key
@@ -147,7 +151,9 @@ class SessionProxy:
             self.placement.forget(session_id)
             return session.builder.samples()
 
-    def stats(self) -> RouterStats:
+    async def stats(self) -> RouterStats:
+        """The placement's figures, with every engine's report asked anew."""
+        await self.reports.fresh()
         return self.placement.stats()
 
     def forget_all(self) -> None:
@@ -165,6 +171,7 @@ class SessionProxy:
         failed: list[str] = []
         break_reason = ""
         for _ in range(2):
+            await self.reports.before_pick()
             try:
                 engine = self.placement.pick(session_id)
             except NoLiveEngineError as exc:

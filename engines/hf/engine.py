@@ -89,6 +89,9 @@ class HFEngine(RolloutEngine):
             version=lambda: self.weight_version,
         )
         self._loop = GenerationLoop(config.name, options.max_num_seqs, self._runner.run)
+        # No prefix cache: every prompt token of every sequence is computed,
+        # a lookup that never hits (`EngineLoad.prefix_cache_queries`).
+        self._prompt_tokens = 0
         clock.mark("generation thread")
         self.startup = clock.report(config.name, self.backend)
         logger.info(
@@ -129,6 +132,7 @@ class HFEngine(RolloutEngine):
                 requests = [
                     self._runner.new_request(prompt, params, loop, pinned) for prompt in prompts
                 ]
+                self._prompt_tokens += params.n * sum(len(prompt) for prompt in prompts)
                 self._loop.submit(requests)
                 return list(await asyncio.gather(*(r.future for r in requests)))
 
@@ -151,7 +155,8 @@ class HFEngine(RolloutEngine):
         # No paged cache here: the batch holds its padded rows' keys and
         # values, out of the most it can hold (max_num_seqs rows of max_len).
         capacity = self._loop.max_num_seqs * self.config.max_len
-        return EngineLoad(running, waiting, min(1.0, self._runner.held_tokens / capacity))
+        usage = min(1.0, self._runner.held_tokens / capacity)
+        return EngineLoad(running, waiting, usage, prefix_cache_queries=self._prompt_tokens)
 
     async def health(self) -> dict[str, Any]:
         self._loop.raise_if_dead()

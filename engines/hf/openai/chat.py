@@ -118,17 +118,36 @@ def chat_choice(completion: CompletionOutput, choice, parser, top, return_ids):
 
 
 def required_calls(text: str, parser) -> ParsedAnswer:
-    """tool_choice "required": vLLM's format (a JSON list of {name, parameters},
-    which vLLM's guided decoding forces; this backend does not constrain
-    decoding), else the engine's parser."""
+    """tool_choice "required": vLLM's format first (a JSON list of one or more
+    {name, parameters}: vLLM's guided decoding forces that schema, minItems 1,
+    so its answer always holds a call), else the engine's parser. This backend
+    does not constrain decoding: an answer with no call in either form (`{}`,
+    `[]`, prose) is returned as its text, as "auto" returns an answer without
+    calls; dropping it would leave the caller nothing."""
+    calls = _listed_calls(text)
+    if calls:
+        return ParsedAnswer(None, calls)
+    return parser(text) if parser is not None else ParsedAnswer(text)
+
+
+def _listed_calls(text: str) -> list[ParsedCall]:
+    """The calls of vLLM's "required" schema (`[{"name": ..., "parameters":
+    {...}}, ...]`); none when `text` is not that."""
     try:
-        calls = [
-            ParsedCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
-            for c in json.loads(text)
-        ]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return parser(text) if parser is not None else ParsedAnswer(text)
-    return ParsedAnswer(None, calls)
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    if not isinstance(listed, list) or not all(
+        isinstance(c, dict)
+        and isinstance(c.get("name"), str)
+        and isinstance(c.get("parameters", {}), dict | None)
+        for c in listed
+    ):
+        return []
+    return [
+        ParsedCall(c["name"], json.dumps(c.get("parameters") or {}, ensure_ascii=False))
+        for c in listed
+    ]
 
 
 def chat_message(message: p.ChatMessageParam) -> dict[str, Any]:

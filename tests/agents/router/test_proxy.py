@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agents.router.proxy import SessionDefaults, SessionProxy, build_app
+from engines.load import EngineLoad
 from engines.serving import ServingMiddleware
 from engines.trajectory import NOT_SAMPLED
 
@@ -101,8 +102,11 @@ class Setup:
         self.links = {n: Dying(app) for n, app in self.apps.items()}
         client = httpx.AsyncClient(mounts={f"http://{n}": t for n, t in self.links.items()})
         urls = {n: f"http://{n}" for n in self.apps}
+        #: What each engine reports of its own load (`EngineLoad`), and how often it was asked.
+        self.loads = {n: EngineLoad(0, 0, 0.0) for n in self.apps}
+        self.asked = dict.fromkeys(self.apps, 0)
         self.proxy = SessionProxy(
-            urls, KEY, routing, client, self.alive, defaults or SessionDefaults()
+            urls, KEY, routing, client, self.alive, self.load, defaults or SessionDefaults()
         )
         # behind the engines' auth and version middleware, as the router actor serves it
         app = ServingMiddleware(build_app(self.proxy), KEY, lambda: self.proxy.latest_version)
@@ -110,6 +114,10 @@ class Setup:
 
     async def alive(self, engine: str) -> bool:
         return not self.links[engine].dead
+
+    async def load(self, engine: str) -> EngineLoad:
+        self.asked[engine] += 1
+        return self.loads[engine]
 
     def client(self, session: str | None, key: str = KEY) -> openai.AsyncOpenAI:
         base = f"http://router/sessions/{session}/v1" if session else "http://router/v1"
@@ -139,7 +147,7 @@ def test_a_session_is_recorded_exactly_and_stays_on_its_engine():
 
     async def go():
         await converse(setup.client("s1"), 3)
-        stats = setup.proxy.stats()
+        stats = await setup.proxy.stats()
         return await setup.proxy.take("s1"), stats
 
     [sample], stats = run(go())
@@ -165,7 +173,7 @@ def test_a_session_is_recorded_exactly_and_stays_on_its_engine():
     assert (e0.requests, e0.sessions, e0.cached_prompt_tokens) == (3, 1, 3)
     assert e0.prompt_tokens == 29 + 53 + 77  # the three rendered prompts
     # taken: forgotten
-    assert setup.proxy.stats().open_sessions == 0
+    assert run(setup.proxy.stats()).open_sessions == 0
     with pytest.raises(KeyError, match="already taken"):
         run(setup.proxy.take("s1"))
 
@@ -198,11 +206,27 @@ def test_new_sessions_go_to_the_least_loaded_engine():
         await converse(setup.client("a"), 1)
         await converse(setup.client("b"), 1)
         await converse(setup.client("c"), 1)
-        return setup.proxy.stats()
+        return await setup.proxy.stats()
 
     stats = run(go())
     assert {e.name: e.sessions for e in stats.engines} == {"e0": 2, "e1": 1}
     assert setup.proxy.placement.sessions == {"a": "e0", "b": "e1", "c": "e0"}
+
+
+def test_placement_weighs_the_engines_reports_and_stats_carry_them():
+    setup = Setup()
+    # e0 near full before the first request: the first session goes to e1
+    setup.loads["e0"] = EngineLoad(3, 0, 0.85, prefix_cache_queries=100, prefix_cache_hits=40)
+    run(converse(setup.client("a"), 1))
+    assert setup.proxy.placement.sessions == {"a": "e1"}
+    assert setup.asked["e0"] >= 1
+    # the counters count from the router's first report on
+    setup.loads["e0"] = EngineLoad(1, 0, 0.5, prefix_cache_queries=300, prefix_cache_hits=190)
+    stats = run(setup.proxy.stats())
+    e0 = stats.engines[0]
+    assert (e0.running, e0.kv_cache_usage, e0.peak_kv_cache_usage) == (1, 0.5, 0.85)
+    assert (e0.prefix_cache_queries, e0.prefix_cache_hits) == (200, 150)
+    assert stats.engine_hit_ratio == 0.75
 
 
 def test_round_robin_alternates_every_request():
@@ -220,7 +244,7 @@ def test_an_engine_that_dies_mid_session_hands_the_session_over():
         messages = await converse(setup.client("s"), 2)
         setup.links["e0"].dead = True
         await converse(setup.client("s"), 1, messages)
-        return await setup.proxy.take("s"), setup.proxy.stats()
+        return await setup.proxy.take("s"), await setup.proxy.stats()
 
     [sample], stats = run(go())
     engines = [t.engine for t in sample.turns if t.role == "assistant"]
@@ -236,7 +260,7 @@ def test_a_dropped_connection_to_a_live_engine_is_retried_there():
     setup.links["e0"].drops = 1
     run(converse(setup.client("s"), 1))
     assert len(setup.apps["e0"].state.requests) == 1 and not setup.apps["e1"].state.requests
-    e0 = setup.proxy.stats().engines[0]
+    e0 = run(setup.proxy.stats()).engines[0]
     assert e0.alive and e0.failures == 1 and e0.sessions == 1
 
 
@@ -299,4 +323,4 @@ def test_a_wrong_token_is_a_401_and_sessionless_requests_are_forwarded():
     run(converse(setup.client(None), 1))
     assert len(setup.apps["e0"].state.requests) == 1
     assert "return_token_ids" not in setup.apps["e0"].state.requests[0]
-    assert setup.proxy.stats().open_sessions == 0
+    assert run(setup.proxy.stats()).open_sessions == 0

@@ -327,6 +327,11 @@ def test_sticky_least_loaded_then_an_engine_killed_mid_session(pair, models):
     stats = router.stats()  # sticky: each session's second turn on its engine
     assert {e.name: (e.sessions, e.requests) for e in stats.engines} == {e0: (2, 4), e1: (1, 2)}
     assert all(e.prompt_tokens > 0 and e.in_flight == 0 for e in stats.engines)
+    # the engines' own reports: the CPU engine has no prefix cache, every
+    # prompt token it computed (each the router sent) is a lookup, none a hit
+    for e in stats.engines:
+        assert (e.prefix_cache_queries, e.prefix_cache_hits) == (e.prompt_tokens, 0), e
+        assert (e.running, e.waiting, e.kv_cache_usage) == (0, 0, 0.0)
 
     killed(engines[0])
     asyncio.run(turns("a"))  # a's engine is gone: the turn runs on e1, a moves there

@@ -76,8 +76,9 @@ def test_load_counts_sequences_and_the_cache_the_batch_holds(engine):
     async def during_and_after():
         deadline = time.monotonic() + 60
         # The module's engine idle first: an earlier test's work would count.
-        while await engine.load() != EngineLoad(0, 0, 0.0) and time.monotonic() < deadline:
+        while busy(await engine.load()) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+        before = await engine.load()
         params = SamplingParams(n=3, max_tokens=50, ignore_eos=True, seed=1)
         call = asyncio.ensure_future(engine.generate([PROMPT, LONG_PROMPT], params))
         seen = await engine.load()
@@ -91,13 +92,21 @@ def test_load_counts_sequences_and_the_cache_the_batch_holds(engine):
         while after.running and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
             after = await engine.load()
-        return seen, after
+        return before, seen, after
 
-    seen, after = run(during_and_after())
+    before, seen, after = run(during_and_after())
     assert (seen.running, seen.waiting) == (6, 0), seen
     # Six padded rows of at least the longer prompt, of 64 rows x max_len 64.
     assert 6 * len(LONG_PROMPT) / (64 * 64) <= seen.kv_cache_usage <= 6 * 64 / (64 * 64)
-    assert after == EngineLoad(0, 0, 0.0)
+    assert not busy(after)
+    # No prefix cache: each of the six sequences' prompt tokens looked up, none found.
+    looked_up = after.prefix_cache_queries - before.prefix_cache_queries
+    assert looked_up == 3 * (len(PROMPT) + len(LONG_PROMPT))
+    assert after.prefix_cache_hits == before.prefix_cache_hits == 0
+
+
+def busy(load: EngineLoad) -> bool:
+    return (load.running, load.waiting, load.kv_cache_usage) != (0, 0, 0.0)
 
 
 def test_seed_n_and_max_tokens(engine):

@@ -57,3 +57,25 @@ def test_a_chat_choice_reports_parsed_calls_as_openai_tool_calls():
     )
     assert [c.function.name for c in required.message.tool_calls] == ["f"]
     assert required.finish_reason == "tool_calls"
+
+
+def test_required_without_a_call_returns_the_text_not_nothing():
+    """vLLM's guided decoding makes a "required" answer a non-empty call list;
+    this backend cannot, so an answer holding no call keeps its text."""
+    for text in ("{}", "[]", '{"name": "f"}', '[{"parameters": {}}]', "plain words"):
+        said = CompletionOutput(0, [1], text, "stop")
+        choice = chat_choice(said, "required", None, None, False)
+        assert (choice.message.content, choice.message.tool_calls) == (text, [])
+        assert choice.finish_reason == "stop"
+    hermes_call = chat_choice(
+        CompletionOutput(0, [1], WEATHER, "stop"), "required", hermes, None, 0
+    )
+    assert [c.function.name for c in hermes_call.message.tool_calls] == ["get_weather"]
+    assert hermes_call.finish_reason == "tool_calls"
+    two = '[{"name": "f", "parameters": null}, {"name": "g"}]'
+    listed = chat_choice(CompletionOutput(0, [1], two, "stop"), "required", hermes, None, 0)
+    assert [(c.function.name, c.function.arguments) for c in listed.message.tool_calls] == [
+        ("f", "{}"),
+        ("g", "{}"),
+    ]
+    assert listed.message.content is None
