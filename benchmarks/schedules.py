@@ -152,16 +152,19 @@ def params_for(
         learning_rate=args.learning_rate,
         seed=seed,
         schedule=flow_schedule,
-        partial_keep_generating=schedule == "partial",
         dynamic_sampling=args.dynamic_sampling,
         **({"max_staleness": staleness} if staleness is not None else {}),
-        shard_size=max(1, args.prompts // (2 * args.num_engines)),
         output_dir=str(out),
         output_format="jsonl",
         gpu_memory_utilization=0.3 if on_gpu else 0.85,
         engine_kwargs={"enforce_eager": True} if on_gpu and args.enforce_eager else {},
-        partial_in_flight=args.partial_in_flight,
     )
+    # Each schedule's own knobs only: the run refuses the others (flows/params.py).
+    if flow_schedule == "partial":
+        fields["partial_keep_generating"] = schedule == "partial"
+        fields["partial_in_flight"] = args.partial_in_flight
+    else:
+        fields["shard_size"] = max(1, args.prompts // (2 * args.num_engines))
     if args.workload == "long-tail":
         fields["ignore_eos"] = True  # each sample runs its row's max_tokens
     if args.colocate:

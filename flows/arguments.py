@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from flows.params import FIELD_SECTION, RolloutParams, sectioned
+from flows.params import FIELD_SECTION, RolloutParams, flag, sectioned
 from flows.settings import PACKAGED_PROMPTS, PACKAGED_TASK
 from tasks.run.params import DataParams
 
@@ -32,10 +32,6 @@ DEMO_PRESET: dict[str, dict[str, Any]] = {
     "sampling": {"n": 8, "max_tokens": 8},
     "engines": {"num_engines": 1},
 }
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def show(value: Any) -> str:
@@ -160,17 +156,22 @@ def describe_errors(exc: ValidationError, flags: set[str], config: Path | None) 
             where = f"{error['loc'][0]}.{field} in {config}"
         value = f" {error['input']!r}" if field and "input" in error else ""
         message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"  {where}{value}: {message}")
+        lines += [f"  {where}{value}: {line}" for line in message.splitlines()]
     return "error: invalid parameters\n" + "\n".join(lines)
 
 
 def preset_for(given: dict[str, Any]) -> dict[str, Any]:
-    """The demo preset under `given`; an agent run's reward is its agent's,
-    so the preset's reward stays out."""
-    agents = given.get("agents", {})
-    if not (agents.get("agent") or agents.get("agent_func_path")):
-        return DEMO_PRESET
-    return {**DEMO_PRESET, "training": {**DEMO_PRESET["training"], "reward": None}}
+    """The demo preset under `given`, without what `given` leaves meaningless
+    (the run's flag pairs would refuse it): an agent run's reward is its
+    agent's, and a run that does not train has no step size."""
+    agents, training = given.get("agents", {}), given.get("training", {})
+    left_out = set()
+    if agents.get("agent") or agents.get("agent_func_path"):
+        left_out.add("reward")
+    if training.get("train") is False:
+        left_out.add("learning_rate")
+    preset = DEMO_PRESET["training"]
+    return {**DEMO_PRESET, "training": {k: v for k, v in preset.items() if k not in left_out}}
 
 
 def parse_params(argv: list[str] | None = None) -> RolloutParams:

@@ -1,8 +1,10 @@
 """The rollout flow's parameters: one pydantic model of sections (data,
 engines, sampling, training, agents, output, cluster). The sections the
 tasks take as they are live in tasks/run/params.py, the sampling section
-(derived from the engines' `SamplingParams`) in flows/sampling.py; the
-flow's own (training, agents) here.
+(derived from the engines' `SamplingParams`) in flows/sampling.py, the
+flow's own (training, agents) in flows/sections.py; here the run, and the
+one table of flag pairs (`FLAG_PAIRS`): a flag refused beside another
+setting that would leave it ignored or meaningless.
 
 Prefect renders it as the run form in the UI and, with
 `enforce_parameter_schema: true`, the server rejects a deployment run whose
@@ -12,177 +14,16 @@ against another) run again in the flow, before anything is created.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from flows.sampling import SamplingSection
-from flows.schedule import SCHEDULES, Schedule, ScheduleRule
-from tasks.run.params import SECTION, ClusterParams, DataParams, EngineParams, OutputParams
-
-
-class TrainingParams(BaseModel):
-    """The on-policy loop: reward, policy step, schedule and iterations."""
-
-    model_config = SECTION
-
-    reward: str | None = Field(
-        None,
-        description="Reward function, 'module:function' or 'file.py:function'. Set: after "
-        "each iteration the rollouts are scored, the reference policy takes a GRPO step and "
-        "its weights are synced into the engines before the next iteration. Empty: plain "
-        "rollouts.",
-        examples=["training.letter_task:reward"],
-    )
-    reward_style: Literal["batch", "openrlhf", "verl"] = Field(
-        "batch",
-        description="How the reward is called: 'batch' fn(list[RewardInput]) -> list[float]; "
-        "'openrlhf' reward_func(queries, prompts, labels); 'verl' compute_score(data_source, "
-        "solution_str, ground_truth, extra_info) per sample.",
-    )
-    reward_timeout_s: float = Field(
-        300.0, gt=0.0, le=86_400.0, description="Deadline for scoring one shard (in Ray)."
-    )
-    train: bool = Field(
-        True,
-        description="With a reward: the policy trains on the scored rollouts and its weights "
-        "are synced into the engines after each iteration. False: the rollouts are only "
-        "scored (an evaluation run; no policy is started).",
-    )
-    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="The policy's step size.")
-    micro_batch_tokens: int = Field(
-        4096,
-        ge=1,
-        le=10_000_000,
-        description="Padded tokens per forward and backward of a policy step (verl's "
-        "ppo_max_token_len_per_gpu); the step's gradient is accumulated over micro-batches, "
-        "so its memory does not grow with n or the batch.",
-    )
-    colocate: bool = Field(
-        False,
-        description="On-policy runs: the policy shares one GPU with the engines and their "
-        "spares (each takes gpu_memory_utilization of it; tensor_parallel_size 1), its "
-        "weights synced through CUDA IPC, as verl's hybrid engine: on-policy RL on a single "
-        "GPU. Off: the policy takes a GPU of its own and syncs over NCCL.",
-    )
-    schedule: Schedule = Field(
-        "sync",
-        description="How generation, training and weight sync interleave. 'sync': one after "
-        "the other (strictly on-policy). 'overlap': the engines generate iteration i+1 while "
-        "the policy trains on i; the sync runs when both are done. 'in_flight': up to "
-        "max_staleness + 1 generations run at once, and new weights are pushed as soon as "
-        "the policy has them, into running requests (a row records every version it was "
-        "generated under). 'partial': as 'sync', but a step takes the first groups to "
-        "complete; the rest are aborted at the sync and resumed under the new weights.",
-    )
-    # The one declaration of the bound: the schedule and the policy get
-    # `staleness_bound`, derived from it (0 under 'sync').
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        le=1000,
-        description="overlap / in_flight: versions a row may lag the policy that trains on "
-        "it (at least 1); partial: iterations a group may wait for its batch (then the "
-        "iteration waits for it). 'sync' is strictly on-policy (0).",
-    )
-    partial_in_flight: float = Field(
-        1.5,
-        ge=1.0,
-        le=2.0,
-        description="partial: groups kept generating, as a multiple of the batch (the "
-        "prompts file's rows; at most 2, so the groups at their wait bound fit in one "
-        "batch); a step takes the first batch of them to complete.",
-    )
-    partial_keep_generating: bool = Field(
-        True,
-        description="partial: the groups a step does not take go on generating while the "
-        "policy trains (on the version that started them), and are aborted at the sync, so "
-        "the engines do not wait for the step. Off: they are aborted when the batch is "
-        "complete, and a colocated policy has the GPU to itself.",
-    )
-    weight_sync_probe: bool = Field(
-        True,
-        description="After each weight sync, every engine compares its logprobs of a fixed "
-        "16-token prompt with the policy's before it releases anything computed on the new "
-        "weights (the probe rides with its first batch); a mismatch marks it stale and its "
-        "held requests are requeued. Costs one short forward pass per engine and one on the "
-        "policy.",
-    )
-    iterations: int = Field(
-        1,
-        ge=1,
-        le=100_000,
-        description="Rounds of generate (-> train -> weight sync). 1: a plain rollout job.",
-    )
-    # Off by default, as verl's and OpenRLHF's filter_groups: refills cost
-    # generation (up to 1 + max_refill_rounds times an iteration's), and a
-    # step's work then differs from the schedules' benchmarks without it.
-    dynamic_sampling: bool = Field(
-        False,
-        description="On-policy runs (DAPO's filter_groups): groups whose rewards all agree "
-        "are left out of the policy step (their rows are written, marked filtered) and "
-        "their prompts sampled again, with new seeds, until every group has signal or "
-        "max_refill_rounds is reached.",
-    )
-    max_refill_rounds: int = Field(
-        3,
-        ge=0,
-        le=100,
-        description="dynamic_sampling: the most refill rounds per iteration (DAPO's "
-        "max_num_gen_batches - 1); past it the step trains on the groups it has.",
-    )
-
-    @model_validator(mode="after")
-    def _staleness(self) -> TrainingParams:
-        rule = self.schedule_rule
-        if not rule.stale and "max_staleness" in self.model_fields_set and self.max_staleness:
-            stale = " or ".join(repr(name) for name, r in SCHEDULES.items() if r.stale)
-            raise ValueError(
-                f"max_staleness ({self.max_staleness}) needs schedule {stale}: "
-                f"{self.schedule!r} is strictly on-policy"
-            )
-        rule.bound(self.max_staleness)
-        return self
-
-    @property
-    def schedule_rule(self) -> ScheduleRule:
-        """What the run's schedule decides (flows/schedule.py)."""
-        return SCHEDULES[self.schedule]
-
-    @property
-    def staleness_bound(self) -> int:
-        """Versions a row may lag the policy: 0 for 'sync'."""
-        return self.schedule_rule.bound(self.max_staleness)
-
-
-class AgentsParams(BaseModel):
-    """Agent runs: each of a prompt's n samples is an agent session (agents/),
-    and the agent gives the reward."""
-
-    model_config = SECTION
-
-    agent: str | None = Field(
-        None,
-        description="Agent function, 'module:function' or 'file.py:function': async "
-        "agent(client: openai.AsyncOpenAI, row: dict) -> AgentResult (or (reward, info)). "
-        "Each of a prompt's n samples is a session of its own on the run's router (the "
-        "engines serve the OpenAI API); a request setting no max_tokens or temperature gets "
-        "the run's. Its reward replaces --reward.",
-        examples=["agents.tool_task:agent"],
-    )
-    agent_func_path: str | None = Field(
-        None,
-        description="OpenRLHF's agent file (AgentInstanceBase with reset/step), run as "
-        "OpenRLHF runs it; its reward replaces --reward.",
-    )
-    agent_timeout_s: float = Field(
-        120.0, gt=0.0, le=86_400.0, description="Deadline of one agent session."
-    )
-
-    @property
-    def agentic(self) -> bool:
-        """Samples are agent sessions (the agent gives the reward)."""
-        return bool(self.agent or self.agent_func_path)
+from flows.sampling import SAMPLED_WHEN_SET, SamplingSection
+from flows.schedule import SCHEDULES
+from flows.sections import AgentsParams, TrainingParams
+from tasks.run.params import ClusterParams, DataParams, EngineParams, OutputParams
 
 
 class RolloutParams(BaseModel):
@@ -216,44 +57,19 @@ class RolloutParams(BaseModel):
         return bool(self.training.reward or self.agents.agentic) and self.training.train
 
     @model_validator(mode="after")
-    def _one_reward(self) -> RolloutParams:
-        agents = self.agents
-        named = {
-            "reward": self.training.reward,
-            "agent": agents.agent,
-            "agent_func_path": agents.agent_func_path,
-        }
-        given = [name for name, value in named.items() if value]
-        if len(given) > 1:
-            raise ValueError(
-                f"{' and '.join(given)} both give the reward: set one of reward, agent, "
-                "agent_func_path"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _fits(self) -> RolloutParams:
         if self.sampling.max_tokens >= self.engines.max_len:
             raise ValueError(
                 f"max_tokens ({self.sampling.max_tokens}) must be below max_len "
                 f"({self.engines.max_len}): the prompt needs room too"
             )
-        if self.training.colocate and not self.on_policy:
-            raise ValueError(
-                "colocate puts the policy beside the engines: it needs an on-policy run "
-                "(a reward, and train on)"
-            )
-        if self.training.dynamic_sampling and not (self.on_policy and self.sampling.n >= 2):
-            raise ValueError(
-                "dynamic_sampling filters groups by their rewards: it needs an on-policy run "
-                f"(a reward, and train on) and n >= 2 samples per prompt, got n={self.sampling.n}"
-            )
-        if self.training.colocate and self.engines.tensor_parallel_size != 1:
-            raise ValueError(
-                f"colocate puts every engine on one GPU: tensor_parallel_size must be 1, got "
-                f"{self.engines.tensor_parallel_size}"
-            )
+        if clashes := [pair.message(self) for pair in FLAG_PAIRS if pair.refuses(self)]:
+            raise ValueError("\n".join(clashes))
         return self
+
+    def value(self, name: str) -> Any:
+        """Field `name`'s value, by its name alone (names are unique across sections)."""
+        return getattr(getattr(self, FIELD_SECTION[name]), name)
 
 
 #: Each field's section, by the field's name (names are unique across sections).
@@ -270,3 +86,175 @@ def sectioned(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for name, value in values.items():
         sections.setdefault(FIELD_SECTION[name], {})[name] = value
     return sections
+
+
+def flag(name: str) -> str:
+    """Field `name`'s flag (the CLI's; a config file's key is the name)."""
+    return "--" + name.replace("_", "-")
+
+
+def default_of(name: str) -> Any:
+    section = RolloutParams.model_fields[FIELD_SECTION[name]].annotation
+    return section.model_fields[name].get_default(call_default_factory=True)
+
+
+def differs(name: str) -> Callable[[RolloutParams], bool]:
+    """Whether field `name` is given: a value other than its default (a run
+    form or a config file that spells out every default gives nothing)."""
+    return lambda run: run.value(name) != default_of(name)
+
+
+@dataclass(frozen=True)
+class FlagPair:
+    """A flag refused beside another setting, where the run would ignore it
+    or it would mean nothing: refused before anything starts, naming both."""
+
+    name: str
+    #: The other flag, and why: "does not work with --schedule partial: ...".
+    clash: str
+    #: The other setting holds (of the whole run).
+    when: Callable[[RolloutParams], bool]
+    #: This flag is given; None: its value differs from its default.
+    given: Callable[[RolloutParams], bool] | None = None
+
+    def refuses(self, run: RolloutParams) -> bool:
+        return (self.given or differs(self.name))(run) and self.when(run)
+
+    def message(self, run: RolloutParams) -> str:
+        value = run.value(self.name)
+        if isinstance(value, bool):
+            typed = flag(self.name) if value else flag("no_" + self.name)
+        else:
+            typed = f"{flag(self.name)} {value}"
+        return f"{typed} {self.clash}"
+
+
+def partial(run: RolloutParams) -> bool:
+    return run.training.schedule_rule.partial
+
+
+def no_policy(run: RolloutParams) -> bool:
+    return not run.on_policy
+
+
+def no_reward(run: RolloutParams) -> bool:
+    return not run.training.reward
+
+
+NEEDS_POLICY = "needs a policy to train: --reward, --agent or --agent-func-path, without --no-train"
+BOTH_REWARD = "both give the reward: set one of --reward, --agent, --agent-func-path"
+STALE = " or ".join(name for name, rule in SCHEDULES.items() if rule.stale)
+NOT_IN_PARTIAL = "does not work with --schedule partial:"
+ONLY_PARTIAL = "needs --schedule partial: only partial rollouts keep groups past their batch"
+#: What an `--agent` run's sessions do not take from the run: an agent's
+#: requests carry their own sampling, the run's is the default of
+#: --max-tokens and --temperature only (agents/router/proxy.py).
+AGENT_UNSAMPLED = ("top_p", "top_k", "ignore_eos", "logprobs", *SAMPLED_WHEN_SET)
+
+#: Every flag refused beside another setting (docs/flow.md lists them; each
+#: pair has its test in tests/flows/test_params.py).
+FLAG_PAIRS: tuple[FlagPair, ...] = (
+    FlagPair(
+        "agent", f"does not work with --reward: {BOTH_REWARD}", lambda r: bool(r.training.reward)
+    ),
+    FlagPair(
+        "agent_func_path",
+        f"does not work with --reward: {BOTH_REWARD}",
+        lambda r: bool(r.training.reward),
+    ),
+    FlagPair(
+        "agent_func_path",
+        f"does not work with --agent: {BOTH_REWARD}",
+        lambda r: bool(r.agents.agent),
+    ),
+    *(
+        FlagPair(name, NEEDS_POLICY, no_policy)
+        for name in (
+            "colocate",
+            "schedule",
+            "dynamic_sampling",
+            "learning_rate",
+            "micro_batch_tokens",
+            "weight_sync_probe",
+        )
+    ),
+    FlagPair(
+        "train",
+        "needs --reward, --agent or --agent-func-path: a run without a reward trains nothing",
+        lambda r: not (r.training.reward or r.agents.agentic),
+    ),
+    FlagPair(
+        "colocate",
+        "needs --tensor-parallel-size 1: colocate puts every engine on one GPU",
+        lambda r: r.engines.tensor_parallel_size != 1,
+    ),
+    FlagPair(
+        "dynamic_sampling",
+        "needs --n 2 or more: a group of one sample has no rewards to compare",
+        lambda r: r.sampling.n < 2,
+    ),
+    FlagPair(
+        "dynamic_sampling",
+        f"{NOT_IN_PARTIAL} the partial schedule's generation neither filters groups nor "
+        "refills them",
+        partial,
+    ),
+    FlagPair(
+        "max_refill_rounds",
+        "needs --dynamic-sampling: only dynamic sampling refills",
+        lambda r: not r.training.dynamic_sampling,
+    ),
+    # Set and not 0 (its default is the stale schedules' bound).
+    FlagPair(
+        "max_staleness",
+        f"needs --schedule {STALE}: 'sync' is strictly on-policy",
+        lambda r: not r.training.schedule_rule.stale,
+        given=lambda r: (
+            "max_staleness" in r.training.model_fields_set and r.training.max_staleness > 0
+        ),
+    ),
+    FlagPair("partial_in_flight", ONLY_PARTIAL, lambda r: not partial(r)),
+    FlagPair("partial_keep_generating", ONLY_PARTIAL, lambda r: not partial(r)),
+    FlagPair("agent", f"{NOT_IN_PARTIAL} its generation runs no agent sessions", partial),
+    FlagPair("agent_func_path", f"{NOT_IN_PARTIAL} its generation runs no agent sessions", partial),
+    FlagPair("shard_size", f"{NOT_IN_PARTIAL} an iteration writes its batch as one shard", partial),
+    FlagPair(
+        "shards_per_engine",
+        f"{NOT_IN_PARTIAL} its samples go to the engines in segments, not shards",
+        partial,
+    ),
+    FlagPair(
+        "reward_style", "needs --reward: it says how the reward function is called", no_reward
+    ),
+    FlagPair(
+        "reward_timeout_s",
+        "needs --reward: it is the reward function's deadline (an agent gives its own reward)",
+        no_reward,
+    ),
+    FlagPair(
+        "agent_timeout_s",
+        "needs --agent or --agent-func-path: it is an agent session's deadline",
+        lambda r: not r.agents.agentic,
+    ),
+    *(
+        FlagPair(
+            name,
+            "does not work with --agent: an agent's requests carry their own sampling, the "
+            "run's sessions get --max-tokens and --temperature only (--agent-func-path "
+            "takes every sampling flag)",
+            lambda r: bool(r.agents.agent),
+        )
+        for name in AGENT_UNSAMPLED
+    ),
+    FlagPair(
+        "tool_call_parser",
+        "needs --openai-api or --agent: it parses the tool calls of the OpenAI endpoint's "
+        "chat answers",
+        lambda r: not (r.engines.openai_api or r.agents.agent),
+    ),
+    FlagPair(
+        "local_num_cpus",
+        "does not work with --address: it sizes a local Ray, a cluster has its own CPUs",
+        lambda r: bool(r.cluster.address),
+    ),
+)

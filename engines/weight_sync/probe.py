@@ -92,35 +92,92 @@ def probe_tokens(vocab_size: int) -> tuple[int, ...]:
     return tuple((3 + i * STRIDE) % vocab_size for i in range(PROBE_LENGTH))
 
 
-def tolerance_for(dtype: Any) -> float:
+#: Unit roundoff (2^-mantissa bits) of the dtypes a probe meets.
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+#: K per square root of a layer (`tolerance_for`): the CPU measurement's
+#: worst, 1.3 (docs/weight_sync.md), with 2x room.
+ROUNDING_UNITS = 2.6
+#: The least tolerance: the same weights in the same dtype still differ in
+#: summation order (other kernels, batch shapes, CPU vs GPU, TF32 matmuls),
+#: ~1e-5 on float32 models; 1e-3 leaves room.
+TOLERANCE_FLOOR = 1e-3
+
+
+def unit_roundoff(dtype: Any) -> float:
+    name = str(dtype).removeprefix("torch.")
+    if name not in UNIT_ROUNDOFF:
+        raise ValueError(f"no probe tolerance for dtype {dtype!r}: one of {sorted(UNIT_ROUNDOFF)}")
+    return UNIT_ROUNDOFF[name]
+
+
+def tolerance_for(dtypes: list[Any], logit_scale: float, layers: int) -> float:
     """The mean |difference| allowed between the trainer's and an engine's
-    logprobs, from the dtype of the weights sent. float32: both sides run the
-    same weights and differ only in summation order (other kernels, batch
-    shapes, CPU vs GPU), ~1e-5 on our models; 1e-3 leaves room. 16-bit: each
-    op rounds to 8 (bf16) or 11 (fp16) mantissa bits and vLLM's kernels are
-    not the trainer's; the GPU suite sees means up to 0.007 and maxima up to
-    0.03 on its models, and bounds the mean at 0.06 over long samples;
-    over 15 positions the mean is noisier, so 0.1. A corrupted bucket moves
-    logprobs by whole units or makes them non-finite (always a failure)."""
-    return 1e-3 if "float32" in str(dtype) or "float64" in str(dtype) else 0.1
+    logprobs over the probe prompt, from the dtypes the two sides meet (the
+    reference model's, the dtype sent, the engine's weights and compute)
+    and the size of the reference's logits.
+
+    The engine's weights, and every activation it computes, are rounded to
+    its dtype; u, the coarsest unit roundoff among `dtypes`, bounds each
+    rounding's relative error (bf16 2^-8, fp16 2^-11, float32 2^-24). A
+    logit z_j sums terms that each carry such errors, so it moves by about
+    K·u·|z_j|: K counts how the roundings add up. Independent roundings
+    add up as a random walk, a few per layer, so K = c·sqrt(layers), c
+    measured (`ROUNDING_UNITS`). A logprob, z_t -
+    logsumexp(z), then moves by δ_t - Σ_j p_j δ_j, at most K·u·(|z_t| +
+    Σ_j p_j |z_j|): `logit_scale` is that sum, averaged over the prompt's
+    positions (`reference`). Averaging |difference| over the 15 positions
+    steadies it, so the bound holds for the mean with room. So a model
+    whose logits are large (a sharper, trained one) is allowed more, and a
+    small-logit one less, where a tolerance by dtype name alone flagged
+    correct bf16 syncs of the one and missed corruptions of the other."""
+    worst = max(unit_roundoff(dtype) for dtype in dtypes)
+    return max(TOLERANCE_FLOOR, ROUNDING_UNITS * math.sqrt(layers) * worst * logit_scale)
+
+
+def _probe_logits(model: Any, token_ids: tuple[int, ...] | list[int]) -> tuple[Any, Any]:
+    """The float32 logits of positions 0..n-2 and the ids they predict, in
+    eval mode (no dropout: the engine runs none), the model's mode restored."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], device=device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+    finally:
+        model.train(training)
+    return logits, ids[0, 1:, None]
 
 
 def sequence_logprobs(model: Any, token_ids: tuple[int, ...] | list[int]) -> list[float]:
     """Logprobs of `token_ids[1:]` under a transformers causal LM, in float32."""
     import torch
 
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids)], device=device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
+    logits, targets = _probe_logits(model, token_ids)
+    return torch.log_softmax(logits, -1).gather(1, targets)[:, 0].tolist()
 
 
-def reference(model: Any, vocab_size: int, dtype: Any) -> ProbeReference:
+def reference(model: Any, vocab_size: int, dtype: Any, engine_dtype: Any = None) -> ProbeReference:
     """The trainer's side: the probe prompt's logprobs under `model` (the
-    weights being sent, or their master copy), with `dtype`'s tolerance."""
+    weights being sent, or their master copy), in eval mode, and their
+    tolerance (`tolerance_for`) from the model's dtype, the dtype sent
+    (`dtype`) and the engine's (`engine_dtype`; None: the one sent)."""
+    import torch
+
     tokens = probe_tokens(vocab_size)
-    return ProbeReference(tokens, tuple(sequence_logprobs(model, tokens)), tolerance_for(dtype))
+    logits, targets = _probe_logits(model, tokens)
+    logprobs = torch.log_softmax(logits, -1)
+    # |z_t| + sum_j p_j |z_j| at each position, averaged (tolerance_for).
+    scale = logits.abs().gather(1, targets)[:, 0] + (logprobs.exp() * logits.abs()).sum(-1)
+    dtypes = [next(model.parameters()).dtype, dtype, engine_dtype or dtype]
+    layers = model.config.num_hidden_layers
+    return ProbeReference(
+        tokens,
+        tuple(logprobs.gather(1, targets)[:, 0].tolist()),
+        tolerance_for(dtypes, float(scale.mean()), layers),
+    )
 
 
 async def check(host: Any, probe: ProbeReference, what: str) -> ProbeResult:

@@ -35,7 +35,12 @@ def small_run(model: str, output_dir: Path, address: str | None = None, **overri
     }
     if address:
         params["address"] = address
-    return {**params, **overrides}
+    run = {**params, **overrides}
+    if run.get("schedule") == "partial":
+        # Partial rollouts write an iteration as one shard: the run refuses these.
+        for name in ("shard_size", "shards_per_engine"):
+            run.pop(name, None)
+    return run
 
 
 def run_params(**values) -> RolloutParams:

@@ -10,8 +10,11 @@ from pydantic import ValidationError
 
 from engines.sampling import SamplingParams
 from flows.arguments import parse_params
-from flows.params import RolloutParams, sectioned
+from flows.params import FLAG_PAIRS, NEEDS_POLICY, RolloutParams, flag, sectioned
 from flows.sampling import SAMPLED_WHEN_SET, SamplingSection
+
+REWARD = "training.letter_task:reward"
+AGENT = "agents.tool_task:agent"
 
 
 def params(**values) -> RolloutParams:
@@ -64,45 +67,24 @@ def test_max_tokens_must_leave_room_for_the_prompt():
         params(max_len=64, max_tokens=64)
 
 
-def test_colocate_needs_a_policy_and_one_gpu_per_engine():
-    params(colocate=True, reward="training.letter_task:reward")
-    with pytest.raises(ValidationError, match="colocate puts the policy beside the engines"):
-        params(colocate=True)
-    with pytest.raises(ValidationError, match="it needs an on-policy run"):
-        params(colocate=True, reward="training.letter_task:reward", train=False)
-    with pytest.raises(ValidationError, match="tensor_parallel_size must be 1, got 2"):
-        params(colocate=True, reward="training.letter_task:reward", tensor_parallel_size=2)
-
-
-def test_dynamic_sampling_needs_a_policy_and_groups():
-    reward = "training.letter_task:reward"
-    assert params(dynamic_sampling=True, reward=reward, n=2).training.max_refill_rounds == 3
-    needs = "dynamic_sampling filters groups by their rewards: it needs an on-policy run"
-    with pytest.raises(ValidationError, match=needs):
-        params(dynamic_sampling=True, n=2)
-    with pytest.raises(ValidationError, match="n >= 2 samples per prompt, got n=1"):
-        params(dynamic_sampling=True, reward=reward, n=1)
-
-
 def test_schedule_and_its_staleness_bound():
     training = RolloutParams().training
     assert (training.schedule, training.staleness_bound) == ("sync", 0)
-    assert params(schedule="overlap").training.staleness_bound == 1
-    assert params(schedule="in_flight", max_staleness=3).training.staleness_bound == 3
+    assert params(schedule="overlap", reward=REWARD).training.staleness_bound == 1
+    in_flight = params(schedule="in_flight", max_staleness=3, reward=REWARD).training
+    assert in_flight.staleness_bound == 3
     with pytest.raises(ValidationError, match=r"'overlap' needs max_staleness >= 1, got 0"):
-        params(schedule="overlap", max_staleness=0)
-    with pytest.raises(ValidationError, match=r"max_staleness \(2\) needs schedule 'overlap'"):
-        params(max_staleness=2)
+        params(schedule="overlap", max_staleness=0, reward=REWARD)
     with pytest.raises(ValidationError) as info:
         params(schedule="async")
     assert [error["loc"] for error in info.value.errors()] == [("training", "schedule")]
     training = parse_params(["--schedule", "in_flight", "--max-staleness", "2"]).training
     assert (training.schedule, training.max_staleness) == ("in_flight", 2)
     # partial: the bound is how many iterations a group may wait.
-    partial = params(schedule="partial", max_staleness=4, partial_in_flight=2.0).training
-    assert (partial.staleness_bound, partial.partial_in_flight) == (4, 2.0)
+    partial = params(schedule="partial", max_staleness=4, partial_in_flight=2.0, reward=REWARD)
+    assert (partial.training.staleness_bound, partial.training.partial_in_flight) == (4, 2.0)
     with pytest.raises(ValidationError, match="partial_in_flight"):
-        params(schedule="partial", partial_in_flight=2.5)
+        params(schedule="partial", partial_in_flight=2.5, reward=REWARD)
 
 
 def test_json_schema_carries_bounds_for_the_ui():
@@ -275,12 +257,8 @@ def test_the_run_form_shows_the_sections_only():
 
 
 def test_an_agent_gives_the_reward_and_trains():
-    run = params(agent="agents.tool_task:agent")
+    run = params(agent=AGENT)
     assert run.agents.agentic and run.on_policy
-    with pytest.raises(ValidationError, match="reward and agent both give the reward"):
-        params(agent="agents.tool_task:agent", reward="training.letter_task:reward")
-    with pytest.raises(ValidationError, match="agent and agent_func_path"):
-        params(agent="agents.tool_task:agent", agent_func_path="f.py")
 
 
 def test_agent_runs_have_a_section_of_their_own_and_keep_their_flags(tmp_path):
@@ -297,3 +275,145 @@ def test_cli_agent_runs_leave_the_demo_reward_out():
     run = parse_params(["--agent", "agents.tool_task:agent"])
     assert run.training.reward is None and run.training.iterations == 6
     assert parse_params([]).training.reward == "training.letter_task:reward"
+
+
+#: A non-default value of each sampling field an `--agent` run's sessions do not take.
+AGENT_UNSAMPLED_VALUES = {"top_p": 0.9, "top_k": 5, "ignore_eos": True, "logprobs": 0}
+AGENT_UNSAMPLED_VALUES.update(SAMPLING_VALUES)
+
+#: Every refused pair: a run giving it (and nothing else refused), and the
+#: two flags its message names.
+REFUSED = [
+    ({"agent": AGENT, "reward": REWARD}, "--agent", "--reward"),
+    ({"agent_func_path": "f.py", "reward": REWARD}, "--agent-func-path", "--reward"),
+    ({"agent_func_path": "f.py", "agent": AGENT}, "--agent-func-path", "--agent"),
+    ({"colocate": True}, "--colocate", "--reward"),
+    ({"colocate": True, "reward": REWARD, "train": False}, "--colocate", "--no-train"),
+    ({"schedule": "overlap"}, "--schedule overlap", "--reward"),
+    ({"dynamic_sampling": True, "n": 2}, "--dynamic-sampling", "--reward"),
+    ({"learning_rate": 0.1}, "--learning-rate 0.1", "--reward"),
+    ({"micro_batch_tokens": 512}, "--micro-batch-tokens 512", "--reward"),
+    ({"weight_sync_probe": False}, "--no-weight-sync-probe", "--reward"),
+    ({"train": False}, "--no-train", "--reward"),
+    (
+        {"colocate": True, "reward": REWARD, "tensor_parallel_size": 2},
+        "--colocate",
+        "--tensor-parallel-size",
+    ),
+    ({"dynamic_sampling": True, "reward": REWARD, "n": 1}, "--dynamic-sampling", "--n"),
+    (
+        {"dynamic_sampling": True, "reward": REWARD, "n": 2, "schedule": "partial"},
+        "--dynamic-sampling",
+        "--schedule partial",
+    ),
+    ({"max_refill_rounds": 5, "reward": REWARD}, "--max-refill-rounds 5", "--dynamic-sampling"),
+    ({"max_staleness": 2, "reward": REWARD}, "--max-staleness 2", "--schedule"),
+    ({"partial_in_flight": 2.0, "reward": REWARD}, "--partial-in-flight 2.0", "--schedule partial"),
+    (
+        {"partial_keep_generating": False, "reward": REWARD, "schedule": "overlap"},
+        "--no-partial-keep-generating",
+        "--schedule partial",
+    ),
+    ({"agent": AGENT, "schedule": "partial"}, "--agent", "--schedule partial"),
+    ({"agent_func_path": "f.py", "schedule": "partial"}, "--agent-func-path", "--schedule partial"),
+    (
+        {"shard_size": 4, "reward": REWARD, "schedule": "partial"},
+        "--shard-size 4",
+        "--schedule partial",
+    ),
+    (
+        {"shards_per_engine": 2, "reward": REWARD, "schedule": "partial"},
+        "--shards-per-engine 2",
+        "--schedule partial",
+    ),
+    ({"reward_style": "verl"}, "--reward-style verl", "--reward"),
+    ({"reward_timeout_s": 60, "agent": AGENT}, "--reward-timeout-s 60", "--reward"),
+    ({"agent_timeout_s": 30}, "--agent-timeout-s 30", "--agent"),
+    *(
+        (
+            {name: value, "agent": AGENT},
+            flag(name if value is not False else f"no_{name}"),
+            "--agent",
+        )
+        for name, value in AGENT_UNSAMPLED_VALUES.items()
+    ),
+    ({"tool_call_parser": "hermes"}, "--tool-call-parser hermes", "--openai-api"),
+    ({"local_num_cpus": 4, "address": "10.0.0.1:6379"}, "--local-num-cpus 4", "--address"),
+]
+
+#: The same flags where they work.
+ACCEPTED = [
+    {"agent": AGENT},
+    {"agent_func_path": "f.py", "agent_timeout_s": 30, "top_p": 0.9, "ignore_eos": True},
+    {"colocate": True, "reward": REWARD, "spare_engines": 1},
+    {"schedule": "overlap", "agent": AGENT, "learning_rate": 0.1, "micro_batch_tokens": 512},
+    {"dynamic_sampling": True, "max_refill_rounds": 5, "reward": REWARD, "n": 2},
+    {"dynamic_sampling": True, "agent": AGENT, "n": 2, "schedule": "in_flight"},
+    {"train": False, "reward": REWARD, "reward_style": "verl", "reward_timeout_s": 60},
+    {"train": False, "agent": AGENT},
+    {"weight_sync_probe": False, "reward": REWARD},
+    {"schedule": "partial", "reward": REWARD, "partial_in_flight": 2.0, "n": 4},
+    {"schedule": "partial", "reward": REWARD, "partial_keep_generating": False},
+    {"schedule": "in_flight", "reward": REWARD, "max_staleness": 2, "shard_size": 4},
+    {"agent": AGENT, "max_tokens": 12, "temperature": 0.3, "n": 4, "seed": 7},
+    {"tool_call_parser": "hermes", "openai_api": True},
+    {"tool_call_parser": "hermes", "agent": AGENT},
+    {"local_num_cpus": 4},
+    # A run form or a config file that spells out a default gives nothing.
+    {"partial_in_flight": 1.5, "shard_size": 16, "schedule": "partial", "reward": REWARD},
+]
+
+
+def unchecked(values: dict) -> RolloutParams:
+    """The run of `values`, each section checked, not the run's pairs."""
+    given = sectioned(values)
+    return RolloutParams.model_construct(
+        **{
+            name: info.annotation.model_validate(given.get(name, {}))
+            for name, info in RolloutParams.model_fields.items()
+        }
+    )
+
+
+@pytest.mark.parametrize(("values", "first", "second"), REFUSED)
+def test_a_flag_pair_is_refused_naming_both(values, first, second):
+    """Each row is refused by its own rule alone: without it, the run passes."""
+    assert [p for p in FLAG_PAIRS if p.refuses(unchecked(values))], values
+    with pytest.raises(ValidationError) as info:
+        params(**values)
+    (error,) = info.value.errors()
+    (message,) = error["msg"].removeprefix("Value error, ").splitlines()
+    assert message.startswith(first) and second in message.removeprefix(first), message
+
+
+def test_every_flag_pair_has_its_refused_row():
+    rows = [unchecked(values) for values, _, _ in REFUSED]
+    untested = [p for p in FLAG_PAIRS if not any(p.refuses(run) for run in rows)]
+    assert untested == []
+
+
+@pytest.mark.parametrize("values", ACCEPTED)
+def test_the_same_flags_work_where_they_mean_something(values):
+    run = params(**values)
+    assert all(run.value(name) == value for name, value in values.items())
+
+
+def test_the_cli_lists_every_clash_on_a_line_of_its_own():
+    with pytest.raises(SystemExit) as info:
+        parse_params(["--plain", "--learning-rate", "0.1", "--agent-timeout-s", "9"])
+    assert str(info.value.code).splitlines() == [
+        "error: invalid parameters",
+        f"  parameters: --learning-rate 0.1 {NEEDS_POLICY}",
+        "  parameters: --agent-timeout-s 9.0 needs --agent or --agent-func-path: it is an "
+        "agent session's deadline",
+    ]
+
+
+def test_the_demo_preset_leaves_out_what_a_given_flag_makes_meaningless():
+    """The preset's step size would clash with --no-train (an evaluation of
+    the demo task), its reward with --agent; what the user typed still clashes."""
+    evaluation = parse_params(["--no-train"])
+    assert evaluation.training.reward == REWARD and not evaluation.on_policy
+    assert evaluation.training.learning_rate == 1e-5  # the field's default
+    with pytest.raises(SystemExit, match="--learning-rate 0.1 needs a policy"):
+        parse_params(["--no-train", "--learning-rate", "0.1"])

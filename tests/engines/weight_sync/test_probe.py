@@ -26,11 +26,15 @@ from engines.weight_sync import Manifest, ProbeMismatchError, sync_from_checkpoi
 from engines.weight_sync.formats.buckets import plan_buckets
 from engines.weight_sync.probe import (
     PROBE_LENGTH,
+    ROUNDING_UNITS,
+    TOLERANCE_FLOOR,
     ProbeReference,
     ProbeResult,
     check,
     combined,
     probe_tokens,
+    reference,
+    sequence_logprobs,
     tolerance_for,
 )
 from engines.weight_sync.transports import broadcast
@@ -94,7 +98,94 @@ def test_the_prompt_is_fixed_and_inside_the_vocabulary():
     tokens = probe_tokens(320)
     assert tokens == probe_tokens(320) and len(tokens) == PROBE_LENGTH
     assert all(0 <= t < 320 for t in tokens) and len(set(tokens)) == PROBE_LENGTH
-    assert tolerance_for(torch.float32) == 1e-3 and tolerance_for(torch.bfloat16) == 0.1
+
+
+def test_the_tolerance_follows_the_coarsest_dtype_the_logits_and_the_depth():
+    bf16 = ROUNDING_UNITS * 2 * 2**-8 * 10.0  # 4 layers: sqrt 2
+    assert tolerance_for([torch.float32, torch.bfloat16, "bfloat16"], 10.0, 4) == bf16
+    assert tolerance_for([torch.float32, torch.bfloat16], 20.0, 4) == 2 * bf16
+    assert tolerance_for([torch.float32, torch.float16], 10.0, 4) == bf16 / 8
+    assert tolerance_for([torch.float32, torch.float32], 10.0, 4) == TOLERANCE_FLOOR
+    with pytest.raises(ValueError, match="no probe tolerance for dtype 'int8'"):
+        tolerance_for([torch.float32, "int8"], 10.0, 4)
+
+
+# --- the reference, on the tiny model's weights, in this process ---------------------------
+class ModelHost:
+    """An engine's `probe_logprobs` on a model in the engine's dtype (the CPU engine's)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        return sequence_logprobs(self.model, token_ids)
+
+
+def synced_pair(tiny_model, sent: torch.dtype, **trainer_config):
+    """A float32 trainer (train() mode) and an engine model holding `sent`
+    weights; `sync(weights)` copies what the trainer sends into the engine."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model, **trainer_config).train()
+    engine = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=sent).eval()
+
+    def step_and_sync(corrupt=None) -> ProbeReference:
+        engine_params = dict(engine.named_parameters())
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(torch.randn_like(p) * 0.02 * p.std())
+            sent_weights = {n: p.detach().to(sent) for n, p in trainer.named_parameters()}
+            if corrupt is not None:
+                corrupt(sent_weights)
+            for name, tensor in sent_weights.items():
+                engine_params[name].copy_(tensor)
+        return reference(trainer, trainer.config.vocab_size, sent)
+
+    return trainer, engine, step_and_sync
+
+
+@pytest.mark.parametrize(
+    ("sent", "config"),
+    [(torch.float32, {"attention_dropout": 0.5}), (torch.bfloat16, {"attention_dropout": 0.1})],
+    ids=["float32-dropout", "float32-sending-bf16-dropout"],
+)
+def test_a_trainer_in_train_mode_with_dropout_gets_no_false_alarm(tiny_model, sent, config):
+    """The reference runs in eval mode (the engine runs no dropout), and the
+    trainer is back in train() after; 20 correct syncs, none flagged."""
+    trainer, engine, step_and_sync = synced_pair(tiny_model, sent, **config)
+    for version in range(20):
+        probe = step_and_sync()
+        assert trainer.training
+        asyncio.run(check(ModelHost(engine), probe, f"version {version}"))
+
+
+def test_the_mode_is_restored_when_the_reference_fails(tiny_model, monkeypatch):
+    trainer, _, step_and_sync = synced_pair(tiny_model, torch.float32)
+
+    def broken(*args, **kwargs):
+        assert not trainer.training  # the reference's forward runs in eval mode
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(trainer, "forward", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step_and_sync()
+    assert trainer.training
+
+
+def scale_one(weights: dict) -> None:
+    weights["model.layers.1.mlp.down_proj.weight"] *= 1.1
+
+
+def test_a_float32_trainer_sending_bf16_has_a_scaled_weight_caught(tiny_model):
+    """The tolerance from the logits' size and bf16's rounding: a weight
+    scaled by 1.1 moves the tiny model's logprobs by less than a tolerance
+    by dtype name (0.1) allowed, and more than bf16's rounding does
+    (benchmarks/probe_rates.py measures the rates)."""
+    _, engine, step_and_sync = synced_pair(tiny_model, torch.bfloat16)
+    asyncio.run(check(ModelHost(engine), step_and_sync(), "a correct sync"))
+    with pytest.raises(ProbeMismatchError, match="differ from the trainer's"):
+        asyncio.run(check(ModelHost(engine), step_and_sync(scale_one), "a corrupted sync"))
 
 
 # --- on a real engine -----------------------------------------------------------------------
