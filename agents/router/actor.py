@@ -160,12 +160,12 @@ def start_router(
         raise EngineSpecError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     if not isinstance(api_key, str) or not api_key:
         raise EngineSpecError("start_router needs the engines' bearer token (api_key)")
-    for name, value in (
+    for field, value in (
         ("request_timeout_s", request_timeout_s),
         ("start_timeout_s", start_timeout_s),
     ):
         if not value > 0:
-            raise EngineSpecError(f"{name} must be > 0, got {value!r}")
+            raise EngineSpecError(f"{field} must be > 0, got {value!r}")
     options = dict(num_cpus=0, max_restarts=0, name=name, namespace=namespace)
     actor = ray.remote(RouterActor).options(**options).remote()
     try:
