@@ -13,7 +13,7 @@ Where each piece lives:
   agent's type), `as_result`.
 - `agents.loading`: `AgentRef` (an `--agent` value parsed once), `load_agent`,
   and the check of OpenRLHF's `--agent-func-path` file.
-- `agents.runner`: a prompt's sessions run in a Ray task (`run_prompt`),
+- `agents.runner`: sessions run in the run's warm runners (`AgentRunner`),
   `--agent` ones through the router, OpenRLHF's on an engine.
 - `agents.router`: the router (one URL per run, sticky sessions, exact tokens).
 - `agents.tool_task`: the demo tool task and its agent (`make run-agent`).

@@ -2,19 +2,24 @@
 from it where its sessions run; `--agent-func-path` (OpenRLHF's agent file)
 checked on the driver.
 
-The reference, not the function, travels to the Ray tasks that run the
+The reference, not the function, travels to the runners that run the
 sessions (agents/runner.py): each loads the function again from it, as a
-worker imports anything else.
+worker imports anything else. A file's reference carries the file's source,
+read on the driver: on another node of a cluster the driver's path is not
+there (only the project's packages travel in the job's runtime_env), so the
+runners run the source the driver read. Its neighbours (modules it imports
+from its folder) do not travel: package them, and give `module:function`.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import inspect
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -34,6 +39,9 @@ class AgentRef:
     #: -m` would search it (the `rolloutflow` console script does not put it
     #: on the path, and a Ray worker's own working directory may differ).
     folder: str | None = None
+    #: A file's source as the driver read it (None for a module): loaded
+    #: from this wherever the agent runs.
+    source: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_file(self) -> bool:
@@ -54,19 +62,20 @@ class AgentRef:
             )
         module, function = parts
         if module.endswith(".py"):
-            return cls(str(Path(module).absolute()), function)
+            path = Path(module).absolute()
+            try:
+                source = path.read_text()
+            except OSError as exc:
+                raise ValueError(f"agent {text}: cannot import {str(path)!r}: {exc}") from exc
+            return cls(str(path), function, source=source)
         here = os.getcwd()
         found = importlib.machinery.PathFinder.find_spec(module.partition(".")[0], [here])
         return cls(module, function, here if found is not None else None)
 
     def load(self) -> AgentFunction:
         """The async function; a clear error when it does not import or is not async."""
-        # Here, not at the top: the `training` package imports torch, and
-        # everything under `agents` (the router's actor too) imports this module.
-        from training.rewards import import_file
-
         try:
-            module = import_file(self.module) if self.is_file else self._import()
+            module = self._from_source() if self.is_file else self._import()
         except (ImportError, OSError) as exc:
             hint = ""
             # The agent's own module was not found (not one it imports): a
@@ -85,6 +94,24 @@ class AgentRef:
                 f"agent {self} is not async: it must be 'async def {self.function}(client, row)'"
             )
         return fn
+
+    def _from_source(self) -> ModuleType:
+        """The file's module, run from the source the driver read (under its
+        path: tracebacks name it). In `sys.modules`, as an import puts it:
+        dataclasses and pickling look a class's module up there."""
+        if self.source is None:
+            raise ImportError(f"no source of {self.module}: make the reference with AgentRef.parse")
+        name = f"agent_file_{Path(self.module).stem}"
+        spec = importlib.util.spec_from_loader(name, loader=None, origin=self.module)
+        module = importlib.util.module_from_spec(spec)
+        module.__file__ = self.module
+        sys.modules[name] = module
+        try:
+            exec(compile(self.source, self.module, "exec"), module.__dict__)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
 
     def _import(self) -> ModuleType:
         # Last, so that it shadows nothing installed; kept after the import,

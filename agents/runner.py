@@ -1,5 +1,5 @@
-"""Running agents in the flow: each prompt's `n` sessions run an agent, and
-what the engines sampled in them comes back as trajectories
+"""Running agents in the flow: each prompt's `n` samples are agent sessions,
+and what the engines sampled in them comes back as trajectories
 (engines/trajectory.py).
 
 Two kinds of agent:
@@ -15,18 +15,25 @@ Two kinds of agent:
 - `--agent-func-path file.py`: OpenRLHF's `AgentInstanceBase` file, run as
   OpenRLHF runs it (engines/openrlhf/agents.py) on the engine the shard went to.
 
-A prompt's sessions run concurrently in one Ray task (the shard dispatch in
-tasks/run/dispatch.py waits on one ref per prompt); each agent call has a
-deadline.
+Sessions run in warm runners (`AgentRunner`): Ray actors started with the
+run, one per node that holds engines, reused every iteration. Each loads the
+agent once and runs sessions as asyncio tasks in its event loop, a bounded
+number at a time. A fresh Ray task per prompt instead started worker
+processes that each imported openai and the agent again (Ray reaps idle
+workers past its soft limit, about one per CPU), which took most of an
+iteration's seconds on a small machine. Each agent call has a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agents.contract import AgentError, AgentFunction, as_result
 from agents.loading import AgentRef
@@ -34,13 +41,22 @@ from engines.trajectory import TrajectorySample
 
 #: Deadline of one call to the router (taking a trajectory).
 ROUTER_CALL_TIMEOUT_S = 30.0
+#: Sessions one runner runs at once; the dispatch's shard windows bound what
+#: is sent, this bounds what a runner holds whatever is sent.
+SESSIONS_PER_RUNNER = 512
+#: A session whose engines all failed under it (the router's 503: it found no
+#: engine to serve a turn) runs again from scratch, on a new session, at most
+#: this many times; its first try's turns are taken and dropped.
+SESSION_RETRIES = 2
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class AgentPlan:
     """Plain data: how an iteration's sessions reach the engines."""
 
-    #: The `--agent` function's reference (each task loads it), or None with `func_path`.
+    #: The `--agent` function's reference (each runner loads it), or None with `func_path`.
     agent: AgentRef | None
     #: OpenRLHF's AgentInstanceBase file (absolute), or None with `agent`.
     func_path: str | None
@@ -54,6 +70,8 @@ class AgentPlan:
     model: str | None = None
     sampling: Any = None
     max_length: int = 0
+    #: The run's warm runners (`AgentRunners`), where the sessions run.
+    runners: Any = None
 
 
 @dataclass(frozen=True)
@@ -108,10 +126,8 @@ async def run_session(
 
 
 async def run_openrlhf_session(
-    plan: AgentPlan, engine: Any, row: dict[str, Any], session_id: str
+    plan: AgentPlan, engine: Any, row: dict[str, Any], session_id: str, tokenizer: Any
 ) -> AgentSession:
-    from transformers import AutoTokenizer
-
     from engines.openrlhf.agents import run_openrlhf_agent
 
     rollout = await run_openrlhf_agent(
@@ -121,26 +137,101 @@ async def run_openrlhf_session(
         sampling_params=plan.sampling.model_copy(),
         max_length=plan.max_length,
         agent_func_path=plan.func_path,
-        tokenizer=AutoTokenizer.from_pretrained(plan.model),
+        tokenizer=tokenizer,
         timeout_s=plan.timeout_s,
     )
     return AgentSession(session_id, [rollout.sample], float(rollout.reward), dict(rollout.info))
 
 
-@ray.remote(num_cpus=0, max_retries=0)
-def run_prompt(
-    plan: AgentPlan, engine: Any, row: dict[str, Any], session_ids: list[str]
-) -> list[AgentSession]:
-    """A prompt's sessions, concurrently (in a Ray task: the dispatch waits
-    on one ref per prompt, and an agent's blocking code stalls no flow thread)."""
-    agent = plan.agent.load() if plan.agent is not None else None
+class AgentRunner:
+    """A warm runner (a Ray actor, asyncio inside): the agent loaded once,
+    its sessions run in the actor's event loop, at most `max_sessions` at a
+    time (the others wait their turn here)."""
 
-    async def one(session_id: str) -> AgentSession:
-        if agent is None:
-            return await run_openrlhf_session(plan, engine, row, session_id)
-        return await run_session(agent, plan, row, session_id)
+    def __init__(self, plan: AgentPlan, max_sessions: int) -> None:
+        self.plan = plan
+        # Loaded here, once: a bad agent fails the runner's start, named.
+        self.agent = plan.agent.load() if plan.agent is not None else None
+        self.slots = asyncio.Semaphore(max_sessions)
+        self._tokenizer: Any = None
 
-    async def sessions() -> list[AgentSession]:
-        return list(await asyncio.gather(*(one(s) for s in session_ids)))
+    async def ready(self) -> int:
+        """Answers once the agent is loaded: the runner's process id."""
+        return os.getpid()
 
-    return asyncio.run(sessions())
+    async def run_prompt(
+        self, engine: Any, row: dict[str, Any], session_ids: list[str]
+    ) -> list[AgentSession]:
+        """A prompt's sessions, concurrently; `engine`: where OpenRLHF's run
+        (an `--agent`'s go through the router)."""
+        return list(await asyncio.gather(*(self._one(engine, row, s) for s in session_ids)))
+
+    async def _one(self, engine: Any, row: dict[str, Any], session_id: str) -> AgentSession:
+        async with self.slots:
+            if self.agent is not None:
+                return await self._session(row, session_id)
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.plan.model)
+            return await run_openrlhf_session(self.plan, engine, row, session_id, self._tokenizer)
+
+    async def _session(self, row: dict[str, Any], session_id: str) -> AgentSession:
+        session, retries = session_id, 0
+        while True:
+            try:
+                return await run_session(self.agent, self.plan, row, session)
+            except AgentError as exc:
+                retries += 1
+                if retries > SESSION_RETRIES or not no_engine_served(exc):
+                    raise
+                session = f"{session_id}-again{retries}"
+                logger.warning("%s; running it again from scratch as %s", exc, session)
+
+
+def no_engine_served(error: AgentError) -> bool:
+    """The agent failed on the router's 503: the session's engine died and
+    no other could take its turn (the router moves a session itself when one can)."""
+    return getattr(error.__cause__, "status_code", None) == 503
+
+
+@dataclass(frozen=True)
+class AgentRunners:
+    """The run's runners: a prompt's sessions go to one of them (`pick`)."""
+
+    handles: tuple[Any, ...]
+
+    def pick(self, prompt_index: int) -> Any:
+        return self.handles[prompt_index % len(self.handles)]
+
+    def close(self) -> None:
+        """End every runner (a session still running in one ends with it)."""
+        for handle in self.handles:
+            ray.kill(handle, no_restart=True)
+
+
+def start_runners(
+    plan: AgentPlan,
+    nodes: list[str | None],
+    names: list[str],
+    namespace: str | None,
+    timeout_s: float,
+    max_sessions: int = SESSIONS_PER_RUNNER,
+) -> AgentRunners:
+    """One runner per node of `nodes` (a node id, placed there while it has
+    room; None: anywhere), named `names`; returns once each has loaded the
+    agent (within `timeout_s`). A runner that fails to start ends the others."""
+    handles = []
+    for node, name in zip(nodes, names, strict=True):
+        where = {}
+        if node is not None:
+            where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+        options = dict(num_cpus=0, max_restarts=0, name=name, namespace=namespace, **where)
+        handles.append(ray.remote(AgentRunner).options(**options).remote(plan, max_sessions))
+    runners = AgentRunners(tuple(handles))
+    try:
+        ray.get([handle.ready.remote() for handle in handles], timeout=timeout_s)
+    except BaseException:
+        runners.close()
+        raise
+    return runners

@@ -4,8 +4,9 @@ An engine set has a name prefix: engine i is the named actor `<prefix>-<i>`,
 its placement group `<prefix>-pg` (placement group names are global to the
 cluster). A flow run lives in namespace `rolloutflow-<run id>`; attempt k of
 it uses the prefix `rf-<run id>-a<k>`, its policy and reward actors
-`<prefix>-policy` and `<prefix>-reward`,
-so a sweep finds every attempt's objects from the run id alone.
+`<prefix>-policy` and `<prefix>-reward`, an agent run's router and runners
+`<prefix>-router` and `<prefix>-runner<i>`, so a sweep finds every
+attempt's objects from the run id alone.
 """
 
 from __future__ import annotations
@@ -48,9 +49,18 @@ def placement_group_pattern(prefix_pattern: str) -> re.Pattern:
     return re.compile(rf"^({prefix_pattern})-pg$")
 
 
+def router_name(prefix: str) -> str:
+    return f"{prefix}-router"
+
+
+def runner_name(prefix: str, index: int) -> str:
+    return f"{prefix}-runner{index}"
+
+
 def run_actor_pattern(prefix_pattern: str) -> re.Pattern:
-    """The policy and reward actors under prefixes matching `prefix_pattern`."""
-    return re.compile(rf"^({prefix_pattern})-(policy|reward)$")
+    """The policy, reward, router and agent runner actors under prefixes
+    matching `prefix_pattern`."""
+    return re.compile(rf"^({prefix_pattern})-(policy|reward|router|runner\d+)$")
 
 
 def run_namespace(run_id: str) -> str:

@@ -144,8 +144,7 @@ def rollout(
         if ledger.metrics_logger is not None:
             ledger.metrics_logger.close()
         try:
-            if side.router is not None:
-                side.router.close()
+            side.close_agents()
             if side.scorer is not None:
                 ray.kill(side.scorer, no_restart=True)
             if pool is not None:

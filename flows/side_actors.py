@@ -1,14 +1,17 @@
 """What a run starts beside its engines: an on-policy run's policy (and the
 policy's configuration: its transport follows placement), a reward run's
-scorer, an agent run's router and its sessions' plan."""
+scorer, an agent run's router, warm runners and its sessions' plan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
 
+import ray
+
 from agents.loading import AgentRef, check_func_path
-from agents.runner import AgentPlan
+from agents.runner import AgentPlan, AgentRunners, start_runners
+from engines import naming
 from engines.weight_sync import transport_for
 from flows.params import RolloutParams
 from tasks.run.pool import EnginePool
@@ -29,12 +32,15 @@ class SideActors:
     policy: Any = None
     policy_up: Any = None
     scorer: Any = None
-    #: An agent run's router in front of the engines (agents/router/actor.py).
+    #: An agent run's router in front of the engines (agents/router/actor.py),
+    #: and the warm runners its sessions run in (agents/runner.py).
     router: Any = None
+    runners: AgentRunners | None = None
 
     def agent_plan(self, pool: EnginePool) -> AgentPlan | None:
         """An agent run's sessions: `--agent` through a router started here
-        on the ready engines, `--agent-func-path` on the engines directly."""
+        on the ready engines, `--agent-func-path` on the engines directly;
+        both in warm runners started here, one per node of the engines."""
         agents = self.params.agents
         if not agents.agentic:
             return None
@@ -46,6 +52,8 @@ class SideActors:
             sampling=self.params.sampling.request().model_copy(update={"n": 1}),
             max_length=self.params.engines.max_len,
         )
+        prefix, namespace = self.scope.name_prefix, self.scope.namespace
+        timeout_s = self.params.cluster.ready_timeout_s
         if agents.agent:
             # Imported here: only agent runs serve HTTP (fastapi, uvicorn).
             from agents.router.actor import start_router
@@ -55,11 +63,31 @@ class SideActors:
             # The run's sampling is its sessions' default; a request's own wins.
             sampling = self.params.sampling
             defaults = SessionDefaults(sampling.max_tokens, sampling.temperature)
-            self.router = start_router(list(pool.engines), api_key, "sticky", defaults=defaults)
+            self.router = start_router(
+                list(pool.engines),
+                api_key,
+                "sticky",
+                defaults=defaults,
+                start_timeout_s=timeout_s,
+                name=naming.router_name(prefix),
+                namespace=namespace,
+            )
             plan = replace(
                 plan, router_url=self.router.url, api_key=api_key, router=self.router.actor
             )
-        return plan
+        nodes = engine_nodes(pool)
+        names = [naming.runner_name(prefix, i) for i in range(len(nodes))]
+        self.runners = start_runners(plan, nodes, names, namespace, timeout_s)
+        return replace(plan, runners=self.runners)
+
+    def close_agents(self) -> None:
+        """End the agent run's runners and router (each ends even when the other fails)."""
+        try:
+            if self.runners is not None:
+                self.runners.close()
+        finally:
+            if self.router is not None:
+                self.router.close()
 
     def start_policy(self, pool: EnginePool, backend: str) -> None:
         """The policy goes beside the engines on their GPU (colocate), else
@@ -98,3 +126,10 @@ def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConf
         probe=params.training.weight_sync_probe,
         sync_dtype=engine_dtype(model, backend, params.engines.engine_kwargs),
     )
+
+
+def engine_nodes(pool: EnginePool) -> list[str | None]:
+    """The nodes holding the engines' bundles (None: where is not known yet)."""
+    group = pool.engines.placement.placement_group
+    table = ray.util.placement_group_table(group).get("bundles_to_node_id") or {}
+    return sorted(set(table.values())) or [None]

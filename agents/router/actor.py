@@ -151,23 +151,27 @@ def start_router(
     request_timeout_s: float = 600.0,
     start_timeout_s: float = 120.0,
     defaults: SessionDefaults = SessionDefaults(),  # noqa: B008 - frozen
+    name: str | None = None,
+    namespace: str | None = None,
 ) -> Router:
     """Start the router in front of `engines` (engine actor handles, each
     serving its OpenAI endpoint with the bearer token `api_key`); a
-    session's requests that set no max_tokens or temperature get `defaults`'."""
+    session's requests that set no max_tokens or temperature get `defaults`'.
+    `name`: the actor's name in `namespace` (a run's sweep finds it by name)."""
     if not engines:
         raise EngineSpecError("start_router needs at least one engine, got none")
     if routing not in ROUTINGS:
         raise EngineSpecError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     if not isinstance(api_key, str) or not api_key:
         raise EngineSpecError("start_router needs the engines' bearer token (api_key)")
-    for name, value in (
+    for field, value in (
         ("request_timeout_s", request_timeout_s),
         ("start_timeout_s", start_timeout_s),
     ):
         if not value > 0:
-            raise EngineSpecError(f"{name} must be > 0, got {value!r}")
-    actor = ray.remote(RouterActor).options(num_cpus=0, max_restarts=0).remote()
+            raise EngineSpecError(f"{field} must be > 0, got {value!r}")
+    options = dict(num_cpus=0, max_restarts=0, name=name, namespace=namespace)
+    actor = ray.remote(RouterActor).options(**options).remote()
     try:
         url = ray.get(
             actor.start.remote(

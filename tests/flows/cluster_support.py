@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -41,6 +42,15 @@ HEAD_ENV = {
 
 
 ATTEMPTS = 6
+
+
+def can_hide_folders() -> bool:
+    """Whether nodes can get mount namespaces of their own (root, or a user
+    namespace allowed)."""
+    try:
+        return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
 
 
 def free_port() -> int:
@@ -77,9 +87,13 @@ class ProcessCluster:
         token: str | None = None,
         python: Path | None = None,
         pythonpath: str | None = None,
+        hidden: list[Path] | None = None,
     ) -> None:
         #: With a token, every node runs with Ray's token authentication on.
         self.token = token
+        #: Folders the nodes do not see (an empty tmpfs over each, in a mount
+        #: namespace of their own): the driver's disk, not the nodes'.
+        self.hidden = list(hidden or [])
         # Short: Ray's socket paths live under it (the limit is about 107 bytes).
         self.root = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))
         self.python = python or python_without_rolloutflow(self.root)
@@ -134,6 +148,10 @@ class ProcessCluster:
         ]
         command = [str(self.python), "-m", "ray.scripts.scripts", "start", "--block"]
         command.append("--include-log-monitor=false")  # one process less per node
+        if self.hidden:
+            mounts = " && ".join(f"mount -t tmpfs none {shlex.quote(str(d))}" for d in self.hidden)
+            shell = ["sh", "-c", f'{mounts} && exec "$@"', "sh"]
+            command = ["unshare", "--mount", "--propagation", "private", *shell, *command]
         process = subprocess.Popen(
             command + ports + args,
             cwd=workdir,

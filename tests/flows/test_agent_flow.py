@@ -6,16 +6,21 @@ suite's two workers each take one of these slow runs)."""
 
 from __future__ import annotations
 
+import os
+import random
+import threading
 from types import SimpleNamespace
 
-from rollout_support import REPO, run_params, small_run
+from rollout_support import REPO, kill_engine, nothing_left, run_dirs, run_params, small_run
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from agents import tool_task
 from agents.loading import AgentRef
 from agents.router.proxy import SessionDefaults
 from flows.rollout import rollout
 from flows.side_actors import SideActors
+from tasks.run.scope import RunScope
 from tasks.run.shards import read_rows
 
 #: `make run-agent`'s parameters (the CLI's demo preset under --agent).
@@ -32,25 +37,42 @@ TOOL_TASK = {
 
 def test_the_runs_sampling_is_its_agent_sessions_default(monkeypatch):
     """--max-tokens and --temperature reach the router, for the sessions'
-    requests that set none (agents/router/proxy.py fills them in)."""
+    requests that set none (agents/router/proxy.py fills them in); the
+    router and a runner per engine node are named for the run's sweep."""
     import agents.router.actor
+    import flows.side_actors
 
     started = {}
 
-    def start_router(engines, api_key, routing, defaults):
-        started.update(routing=routing, defaults=defaults)
+    def start_router(engines, api_key, routing, defaults, start_timeout_s, name, namespace):
+        started.update(routing=routing, defaults=defaults, router=name)
         return SimpleNamespace(url="http://router", actor="actor")
 
+    def start_runners(plan, nodes, names, namespace, timeout_s):
+        started.update(nodes=nodes, runners=names, runners_see=plan.router)
+        return "runners"
+
     monkeypatch.setattr(agents.router.actor, "start_router", start_router)
+    monkeypatch.setattr(flows.side_actors, "start_runners", start_runners)
+    monkeypatch.setattr(flows.side_actors, "engine_nodes", lambda pool: ["n1", "n2"])
 
     class Engines(list):
         api_key = "k"
 
     params = run_params(agent="agents.tool_task:agent", max_tokens=12, temperature=0.3)
-    plan = SideActors(params, None, "tiny").agent_plan(SimpleNamespace(engines=Engines()))
-    assert started == {"routing": "sticky", "defaults": SessionDefaults(12, 0.3)}
+    side = SideActors(params, RunScope("r", 1), "tiny")
+    plan = side.agent_plan(SimpleNamespace(engines=Engines()))
+    assert started == {
+        "routing": "sticky",
+        "defaults": SessionDefaults(12, 0.3),
+        "router": "rf-r-a1-router",
+        "nodes": ["n1", "n2"],
+        "runners": ["rf-r-a1-runner0", "rf-r-a1-runner1"],
+        "runners_see": "actor",
+    }
     assert isinstance(plan.agent, AgentRef) and str(plan.agent) == "agents.tool_task:agent"
     assert (plan.router_url, plan.api_key, plan.router) == ("http://router", "k", "actor")
+    assert plan.runners == side.runners == "runners"
 
 
 def test_the_tool_task_learns_in_the_flow_and_rows_show_turns_and_masks(
@@ -87,3 +109,51 @@ def test_the_tool_task_learns_in_the_flow_and_rows_show_turns_and_masks(
         # The tool's result is in the stream as the environment's tokens.
         assert f"tool: {tool_task.lookup(row['label'])}" in tokenizer.decode(environment)
         assert row["session_id"] and row["reward"] >= tool_task.CALL_BONUS
+
+
+#: The seed of the moment the engine-death test kills an engine (set
+#: RF_AGENT_KILL_SEED to run it at other moments, e.g. in a loop).
+KILL_SEED = int(os.environ.get("RF_AGENT_KILL_SEED", "3"))
+
+
+def test_an_agent_run_survives_an_engine_killed_mid_generation(ray_local, tiny_model, tmp_path):
+    """An engine killed while an `--agent` training run's sessions use it
+    (its iteration, engine and moment drawn from KILL_SEED): the router moves
+    its sessions to the other engine, the round's end fails it in the pool,
+    the retry replaces it, syncs it and routes to it; every (prompt, sample)
+    is written once, by one session, each iteration at its own version, and
+    nothing is left."""
+    rng = random.Random(KILL_SEED)
+    iteration, index, after = rng.choice([0, 1]), rng.choice([0, 1]), rng.randint(1, 3)
+    run = small_run(tiny_model, tmp_path, num_engines=2, shard_size=2, shards_per_engine=2)
+    params = run_params(**{**run, **TOOL_TASK, "iterations": 2, "n": 2})
+    killed: list[str] = []
+
+    def kill() -> None:
+        (run_dir,) = wait_until(lambda: run_dirs(tmp_path), 300, "the run directory")
+        shards = f"iter-{iteration:03d}/shard-*"
+        wait_until(lambda: len(list(run_dir.glob(shards))) >= after, 900, f"{after} shards")
+        killed.append(kill_engine(run_dir.name, index))
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    state = rollout(params, return_state=True)
+    killer.join(timeout=30)
+    assert killed, f"engine {index} was not killed in iteration {iteration}"
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    for i in range(2):
+        rows = read_rows(tmp_path / run_id / f"iter-{i:03d}")
+        sessions: dict[tuple[int, int], set[str]] = {}
+        pieces = set()
+        for row in rows:
+            sessions.setdefault((row["prompt_index"], row["sample_index"]), set()).add(
+                row["session_id"]
+            )
+            piece = (row["session_id"], tuple(row["response_token_ids"]))
+            assert piece not in pieces, f"iteration {i}: {piece[0]} written twice"
+            pieces.add(piece)
+            assert set(row["weight_versions"]) == {i}, (i, row["weight_versions"])
+        assert sorted(sessions) == [(p, s) for p in range(16) for s in range(2)]
+        assert all(len(ids) == 1 for ids in sessions.values()), sessions
+    nothing_left(run_id)

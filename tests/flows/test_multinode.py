@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import ray
-from cluster_support import ProcessCluster
+from cluster_support import ProcessCluster, can_hide_folders
 from rollout_support import (
     NUM_PROMPTS,
     REPO,
@@ -42,9 +45,12 @@ REWARD = "training.rewards:target_chars_fraction"
 @pytest.fixture(scope="module")
 def cluster():
     """A head without CPUs (nothing of the run lands there) and two workers
-    of two CPUs each, tagged with a custom resource of their own name."""
+    of two CPUs each, tagged with a custom resource of their own name; where
+    the nodes can have mount namespaces, a folder of the driver's that they
+    do not see (`hidden`)."""
     ray.shutdown()  # the session's local Ray, if an earlier test started it
-    nodes = ProcessCluster()
+    hidden = [Path(tempfile.mkdtemp(prefix="rf-driver-only-"))] if can_hide_folders() else []
+    nodes = ProcessCluster(hidden=hidden)
     try:
         nodes.start_head(num_cpus=0)
         nodes.add_worker("w1", 2, {"w1": 1})
@@ -56,6 +62,8 @@ def cluster():
     finally:
         ray.shutdown()
         nodes.shutdown()
+        for folder in hidden:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
@@ -75,6 +83,20 @@ def import_engines() -> str:
     except ImportError as exc:
         return f"ImportError: {exc}"
     return engines.__file__
+
+
+@ray.remote(num_cpus=0)
+def file_seen(path: str) -> bool:
+    return os.path.exists(path)
+
+
+#: A `file.py:function` agent: the tool task's, from a file of the driver's.
+FILE_AGENT = """from agents.tool_task import agent as tool_task_agent
+
+
+async def agent(client, row):
+    return await tool_task_agent(client, row)
+"""
 
 
 def run_actors(run_id: str) -> list[dict]:
@@ -113,6 +135,38 @@ def test_flow_ships_its_code_and_runs_engines_on_the_workers(driver, tiny_model,
     workers = {driver.nodes["w1"].node_id, driver.nodes["w2"].node_id}
     assert {actor["Address"]["NodeID"] for actor in engines} <= workers
     assert all(actor["State"] == "DEAD" for actor in engines)
+    nothing_left(run_id)
+
+
+def test_a_file_agent_runs_on_nodes_without_its_file(driver, tiny_model, tmp_path):
+    """`--agent file.py:function` where only the driver has the file: the
+    runners on the worker nodes run the source the driver read (the path
+    alone failed there: no file)."""
+    if not driver.hidden:
+        pytest.skip("the nodes cannot get mount namespaces of their own here (needs root)")
+    path = driver.hidden[0] / "my_file_agent.py"
+    path.write_text(FILE_AGENT)
+    ray.init(address=driver.address)
+    for node in ("w1", "w2"):  # the file is the driver's only
+        seen = file_seen.options(resources={node: 0.01}).remote(str(path))
+        assert ray.get(seen, timeout=120) is False, node
+    ray.shutdown()
+    tool_task = {
+        "prompts_path": str(REPO / "data" / "tool_task.jsonl"),
+        "label_field": "answer",
+        "id_field": "id",
+        "agent": f"{path}:agent",
+        "train": False,
+    }
+    params = small_run(tiny_model, tmp_path, address=driver.address, **tool_task)
+    state = rollout(run_params(**params), return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    rows = read_rows(tmp_path / run_id / "iter-000")
+    # A session the router split writes a row per piece: each (prompt, sample) at least once.
+    samples = {(row["prompt_index"], row["sample_index"]) for row in rows}
+    assert samples == {(p, s) for p in range(16) for s in range(2)}
+    assert all(row["session_id"] for row in rows)
     nothing_left(run_id)
 
 

@@ -7,6 +7,7 @@ import uuid
 
 import ray
 from ray.util.placement_group import placement_group
+from waiting import wait_until
 
 from tasks.run.scope import RunScope, leftover_prefixes, sweep_run
 
@@ -39,3 +40,20 @@ def test_sweep_removes_every_attempt_and_spares_other_runs(ray_local):
 
     assert leftover_prefixes(other) == {f"rf-{other}-a1"}
     sweep_run(other)
+
+
+def test_sweep_ends_an_agent_runs_router_and_runners(ray_local):
+    """A failure hook finds an agent run's router and runners by name."""
+    from engines import naming
+
+    scope = RunScope(str(uuid.uuid4()), 1)
+    names = [naming.router_name(scope.name_prefix), naming.runner_name(scope.name_prefix, 0)]
+    # Handles held, as the flow holds them: Ray ends an actor whose handles are all gone.
+    handles = [Named.options(name=name, namespace=scope.namespace).remote() for name in names]
+    ray.get([handle.shutdown.remote() for handle in handles], timeout=30)
+    assert sorted(sweep_run(scope.run_id)) == sorted(names)
+
+    def gone() -> bool:
+        return not {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)} & {*names}
+
+    wait_until(gone, 60, "the router and runner to end")
