@@ -100,6 +100,9 @@ def run_iterations(
     partial = training.schedule_rule.partial
     task = generate_partial_rollouts if partial else generate_rollouts
     generate = task.with_options(retries=params.cluster.engine_retries)
+    # An engine dead before or under a sync is replaced by the sync's retry.
+    sync = sync_weights.with_options(retries=params.cluster.engine_retries)
+    router = agent.router if agent is not None else None
     # `partial`: what a generation leaves running while the policy trains.
     left = (LeftRunning(),) if partial else ()
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
@@ -117,8 +120,13 @@ def run_iterations(
                 pipeline.engines_busy(now)
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
-            future = sync_weights.submit(
-                policy, list(pool.engines), iteration=made_by, connect=link.handle is None
+            future = sync.submit(
+                policy,
+                pool,
+                iteration=made_by,
+                ready_timeout_s=params.cluster.ready_timeout_s,
+                connect=link.handle is None,
+                router=router,
             )
             running[future] = ("sync", made_by)
         if policy is not None and (i := pipeline.next_training()) is not None:
@@ -158,9 +166,10 @@ def sync_finished(
     try:
         synced = future.result()
     except (EngineFailure, WeightSyncError) as exc:
-        # An engine died under the sync: a running generation's retry
-        # replaces it and syncs it (and the others) to the policy's version;
-        # the next sync waits for those generations.
+        # What the sync's own retries (each replaces dead engines first) did
+        # not get through: no engine could be had, or the weights failed
+        # their checks. With generations running, their retries replace
+        # engines too and the next sync waits for them; else the run ends.
         if not pipeline.sync_failed(now):
             raise
         get_run_logger().warning(
