@@ -100,9 +100,10 @@ def run_iterations(
     partial = training.schedule_rule.partial
     task = generate_partial_rollouts if partial else generate_rollouts
     generate = task.with_options(retries=params.cluster.engine_retries)
-    # An engine dead before or under a sync is replaced by the sync's retry.
+    # An engine dead before or under a sync is replaced by the sync's retry
+    # (an agent run's router then routes to the replacement).
     sync = sync_weights.with_options(retries=params.cluster.engine_retries)
-    router = agent.router if agent is not None else None
+    replace = dict(ready_timeout_s=params.cluster.ready_timeout_s, router=agent and agent.router)
     # `partial`: what a generation leaves running while the policy trains.
     left = (LeftRunning(),) if partial else ()
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
@@ -120,14 +121,8 @@ def run_iterations(
                 pipeline.engines_busy(now)
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
-            future = sync.submit(
-                policy,
-                pool,
-                iteration=made_by,
-                ready_timeout_s=params.cluster.ready_timeout_s,
-                connect=link.handle is None,
-                router=router,
-            )
+            connect = link.handle is None
+            future = sync.submit(policy, pool, iteration=made_by, connect=connect, **replace)
             running[future] = ("sync", made_by)
         if policy is not None and (i := pipeline.next_training()) is not None:
             pipeline.training_started(i, now)
