@@ -100,6 +100,10 @@ def run_iterations(
     partial = training.schedule_rule.partial
     task = generate_partial_rollouts if partial else generate_rollouts
     generate = task.with_options(retries=params.cluster.engine_retries)
+    # An engine dead before or under a sync is replaced by the sync's retry
+    # (an agent run's router then routes to the replacement).
+    sync = sync_weights.with_options(retries=params.cluster.engine_retries)
+    replace = dict(ready_timeout_s=params.cluster.ready_timeout_s, router=agent and agent.router)
     # `partial`: what a generation leaves running while the policy trains.
     left = (LeftRunning(),) if partial else ()
     running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
@@ -117,9 +121,8 @@ def run_iterations(
                 pipeline.engines_busy(now)
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
-            future = sync_weights.submit(
-                policy, list(pool.engines), iteration=made_by, connect=link.handle is None
-            )
+            connect = link.handle is None
+            future = sync.submit(policy, pool, iteration=made_by, connect=connect, **replace)
             running[future] = ("sync", made_by)
         if policy is not None and (i := pipeline.next_training()) is not None:
             pipeline.training_started(i, now)
@@ -158,9 +161,10 @@ def sync_finished(
     try:
         synced = future.result()
     except (EngineFailure, WeightSyncError) as exc:
-        # An engine died under the sync: a running generation's retry
-        # replaces it and syncs it (and the others) to the policy's version;
-        # the next sync waits for those generations.
+        # What the sync's own retries (each replaces dead engines first) did
+        # not get through: no engine could be had, or the weights failed
+        # their checks. With generations running, their retries replace
+        # engines too and the next sync waits for them; else the run ends.
         if not pipeline.sync_failed(now):
             raise
         get_run_logger().warning(

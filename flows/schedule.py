@@ -98,8 +98,8 @@ class Pipeline:
     #: The version the engines serve (the newest sync that finished).
     served: int = 0
     syncing: bool = False
-    #: A sync failed while these generations ran (an engine died under them):
-    #: their retries replace the engine, the next sync waits for all of them.
+    #: A sync failed, past its own retries (which replace dead engines),
+    #: while these generations ran: the next sync waits for all of them.
     sync_held_for: set[int] = field(default_factory=set)
     #: Seconds the engines (no generation) and the policy (neither training
     #: nor syncing) were idle before each iteration's generation / training.
@@ -218,9 +218,9 @@ class Pipeline:
         self._policy_free_since = now
 
     def sync_failed(self, now: float) -> bool:
-        """A sync failed. True when running generations' retries will replace
-        the engine that died (the next sync then waits for all of them);
-        False: nothing will, the caller re-raises."""
+        """A sync failed past its own retries. True when generations run (the
+        next sync then waits for all of them; their retries replace engines
+        too); False: nothing will change, the caller re-raises."""
         self.syncing = False
         self._policy_free_since = now
         if not self.generating:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +20,14 @@ from engines import (
     destroy_engines,
     start_engine_set,
 )
-from engines.client import get
+from engines.client import collect, get
 from tasks.cluster import Cluster
 from tasks.run.params import EngineParams
 from tasks.run.pool import FETCH_TIMEOUT_S, EnginePool
 from tasks.run.scope import RunScope, sweep_run
+
+#: Deadline for an engine's health: an answer from its event loop, no engine step.
+HEALTH_TIMEOUT_S = 30.0
 
 
 def retry_on_engine_failure(task, task_run, state) -> bool:
@@ -151,6 +156,47 @@ def wait_ready(pool: EnginePool, timeout_s: float) -> None:
             if pool.engines.configs[index].openai_api:  # started by `ready`; a new one's may move
                 url = pool.engines[index].openai_url.remote()
                 pool.stats[index].openai_url = get(url, FETCH_TIMEOUT_S, pool.name(index))
+
+
+@contextmanager
+def replacing_failed(pool: EnginePool, timeout_s: float, router: Any = None) -> Iterator[list[int]]:
+    """Replace the pool's failed engines (`EnginePool.replace_failed`: a warm
+    spare, a restart in the engine's actor, or a new actor) and wait until
+    they are up; yields their indices to the body, which syncs them to the
+    policy's weights. Then an agent run's `router` routes to them, and they
+    serve. One task at a time: another waits, then finds them replaced. When
+    no engine can be had in place of a failed one, the error says which and why."""
+    logger = get_run_logger()
+    lost, replacing = [pool.name(i) for i in sorted(pool.failed)], True
+    try:
+        with pool.replacement(logger, timeout_s, 3 * timeout_s) as replaced:
+            if replaced:
+                wait_ready(pool, timeout_s)
+            replacing = False
+            yield replaced
+            if replaced and router is not None:
+                names = get(router.set_engines.remote(list(pool.engines), timeout_s), timeout_s)
+                logger.info("the router routes to %s", names)
+    except EngineFailure as exc:
+        if not replacing:
+            raise
+        raise type(exc)(f"no engine could take the place of {lost}: {exc}", exc.engine) from exc
+
+
+def mark_unhealthy(pool: EnginePool, timeout_s: float = HEALTH_TIMEOUT_S) -> list[str]:
+    """After a call over every engine failed (a weight sync): ask each engine
+    still counted live for its health, and mark failed those that are dead
+    or do not answer, so the next try replaces them. Returns their names."""
+    live = pool.live()
+    restarts = [pool.stats[i].restarts for i in live]
+    names = [pool.name(i) for i in live]
+    results = collect([pool.engines[i].health.remote() for i in live], names, "health", timeout_s)
+    dead = []
+    for index, count, result in zip(live, restarts, results, strict=True):
+        if isinstance(result.error, EngineFailure):
+            pool.mark_failed(index, result.error, count)
+            dead.append(pool.name(index))
+    return dead
 
 
 @task(

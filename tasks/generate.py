@@ -24,8 +24,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.client import get
-from tasks.engines import retry_on_engine_failure, wait_ready
+from tasks.engines import replacing_failed, retry_on_engine_failure
 from tasks.run.agent_writer import AgentWriter
 from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
 from tasks.run.pool import EnginePool
@@ -33,6 +32,7 @@ from tasks.run.progress import IterationProgress
 from tasks.run.prompts import Prompts
 from tasks.run.shards import ShardStore
 from tasks.run.writer import ShardWriter
+from tasks.sync_weights import push_weights
 
 #: What dynamic sampling reads back of a round's rows.
 READ_BACK = ["prompt_index", "filtered", "reward"]
@@ -42,22 +42,15 @@ def replace_failed(pool: EnginePool, plan: GenerationPlan, policy: PolicyLink | 
     """A retry after an engine failure: the dead engine is replaced first (a
     warm spare woken, or a new engine on its bundle) and must be up, and
     serve the policy's current weights, before it gets work; an agent run's
-    router then routes to it. A generation running beside this one waits here
-    (its replacement's steps each have the ready deadline), then finds the
-    engine replaced."""
-    logger = get_run_logger()
+    router then routes to it. A generation running beside this one, or the
+    flow's weight sync, waits here (its replacement's steps each have the
+    ready deadline), then finds the engine replaced."""
     timeout_s = plan.cluster.ready_timeout_s
-    with pool.replacement(logger, timeout_s, 3 * timeout_s) as replaced:
-        if replaced:
-            wait_ready(pool, timeout_s)
+    router = plan.agent.router if plan.agent is not None else None
+    with replacing_failed(pool, timeout_s, router) as replaced:
         if replaced and policy is not None and policy.handle is not None:
-            sync = policy.handle.sync_weights.remote(list(pool.engines), reconnect=True)
-            report = get(sync, timeout_s)
-            logger.info("replacement engine synced to weight version %d", report.version)
-        router = plan.agent.router if plan.agent is not None else None
-        if replaced and router is not None:  # it must route to the replacements
-            names = get(router.set_engines.remote(list(pool.engines), timeout_s), timeout_s)
-            logger.info("the router routes to %s", names)
+            report = push_weights(policy.handle, pool, timeout_s, connect=False, reconnect=True)
+            get_run_logger().info("replacement engine synced to weight version %d", report.version)
 
 
 def start_try(

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from engines import EngineFailure, EngineTimeoutError, RequestError
-from engines.client import get
+from engines.client import collect, get
 from engines.sampling import SamplingParams
 from tasks.partial.segments import GroupState, SampleState
 from tasks.run.dispatch import cancel
@@ -154,20 +154,21 @@ class SegmentRunner:
         wait_s = max(0.0, min(f.deadline for f in self.flights.values()) - time.monotonic())
         ready, _ = ray.wait(list(self.flights), num_returns=1, timeout=wait_s)
         for ref in ready:
-            flight = self.flights.pop(ref)
+            flight = self.flights[ref]
             try:
                 output = get(ref, FETCH_TIMEOUT_S, self.pool.name(flight.engine))
             except EngineFailure as exc:
-                self.lose_engine(flight, exc)
+                self.lose_engine(flight.engine, flight.restarts, exc)
                 continue
             except RequestError as exc:  # this request is bad: no retry can fix it
                 raise type(exc)(f"prompt {flight.group.prompt_index}: {exc}") from exc
+            del self.flights[ref]
             self.absorb(flight, output)
         now = time.monotonic()
         for flight in [f for f in self.flights.values() if f.deadline <= now]:
             name = self.pool.name(flight.engine)
             error = EngineTimeoutError(f"{name} did not answer within {self.timeout_s:g}s", name)
-            self.lose_engine(flight, error)
+            self.lose_engine(flight.engine, flight.restarts, error)
 
     def absorb(self, flight: Segment, output: Any) -> None:
         group, unfinished = flight.group, []
@@ -191,11 +192,21 @@ class SegmentRunner:
 
     def stop(self) -> None:
         """The batch is complete: every engine ends what it runs now; the
-        aborted segments come back with their tokens so far."""
+        aborted segments come back with their tokens so far. An engine that
+        died (or does not answer) is dropped from the stop, and its segments
+        stay unfinished: carried with the tokens they had, to resume elsewhere."""
         self.stopping = True
-        engines = [self.pool.engines[e] for e in self.pool.live()]
-        get([e.pause_generation.remote(mode="abort") for e in engines], self.abort_timeout_s)
-        get([e.resume_generation.remote() for e in engines], self.abort_timeout_s)
+        for method, kwargs in (("pause_generation", {"mode": "abort"}), ("resume_generation", {})):
+            live = self.pool.live()
+            restarts = [self.pool.stats[e].restarts for e in live]
+            refs = [getattr(self.pool.engines[e], method).remote(**kwargs) for e in live]
+            names = [self.pool.name(e) for e in live]
+            results = collect(refs, names, method, self.abort_timeout_s)
+            for engine, count, result in zip(live, restarts, results, strict=True):
+                if isinstance(result.error, EngineFailure):
+                    self.lose_engine(engine, count, result.error)
+                elif result.error is not None:
+                    raise result.error
         # The engines answered: their aborted segments are due now. A segment
         # kept running through a policy step may be past its send-time
         # deadline without any hang, and its tokens must not be dropped.
@@ -203,16 +214,13 @@ class SegmentRunner:
         for flight in self.flights.values():
             flight.deadline = due
 
-    def lose_engine(self, failed: Segment, error: EngineFailure) -> None:
-        """The engine of `failed` is gone (or hung): its segments are sent
-        again from their samples' tokens before them, to the others."""
-        engine = failed.engine
-        self.pool.mark_failed(engine, error, failed.restarts)
-        lost = [failed] + [f for f in self.flights.values() if f.engine == engine]
+    def lose_engine(self, engine: int, restarts: int, error: EngineFailure) -> None:
+        """Engine `engine` (at its `restarts`) is gone or hung: its segments
+        are sent again from their samples' tokens before them, to the others."""
+        self.pool.mark_failed(engine, error, restarts)
         refs = [r for r, f in self.flights.items() if f.engine == engine]
+        lost = [self.flights.pop(ref) for ref in refs]
         cancel(refs)
-        for ref in refs:
-            del self.flights[ref]
         if self.stopping:
             return  # they stay unfinished: carried with the tokens they had
         for flight in lost:

@@ -16,6 +16,7 @@ from prefect import flow
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
+from tasks.run.pool import EnginePool
 from tasks.run.prompts import PromptRecord
 from tasks.run.records import rows_for
 from tasks.run.shards import read_rows, write_atomically
@@ -75,13 +76,14 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
         wait_for_policy(policy, ready_timeout_s=180)
         ray.get(engines[0].ready.remote(), timeout=180)
         init_weight_sync(policy, engines)
+        pool = EnginePool(engines)
         prompt_ids = [get(engines[0].encode.remote(p), 30) for p in PROMPTS]
         trained, synced = [], []
         for iteration in range(ITERATIONS):
             directory = Path(run_dir) / f"iter-{iteration:03d}"
             write_rollouts(engines[0], scorer, prompt_ids, directory, iteration)
             trained.append(train_on_rollouts(policy, str(directory), iteration=iteration))
-            synced.append(sync_weights(policy, engines, iteration=iteration))
+            synced.append(sync_weights(policy, pool, iteration=iteration))
         # Rollouts of the first iteration are five versions old by now.
         old = groups_from_rows(read_rows(Path(run_dir) / "iter-000"))
         with pytest.raises(

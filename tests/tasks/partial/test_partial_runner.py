@@ -174,3 +174,24 @@ def test_kept_running_past_the_request_deadline_still_stops_with_its_tokens(pool
     assert not pool.failed and kept.counts.aborted == 2
     for sample in long_group.samples:
         assert sample.finish_reason == "abort" and 0 < len(sample.token_ids) < LONG
+
+
+def test_an_engine_killed_while_kept_running_is_dropped_from_the_stop(pool):
+    """The engine running the rest dies while the policy trains: the stop
+    pauses the survivor only, marks the dead engine failed (the sync then
+    replaces it), and its samples stay unfinished, with their tokens before
+    the lost segment, to resume elsewhere."""
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    (dead,) = {flight.engine for flight in kept.flights.values()}
+    ray.kill(pool.engines[dead])
+    kept.finish()
+    assert list(pool.failed) == [dead] and pool.live() == [1 - dead]
+    assert not kept.flights and kept.counts.aborted == 0
+    assert all(s.token_ids == [] and not s.done for s in long_group.samples)
+    survivor = pool.engines[1 - dead]
+    assert ray.get(survivor.get_num_unfinished_requests.remote(), timeout=30) == 0
+    # The survivor was paused and resumed: it serves.
+    again = runner(pool)
+    assert again.run([groups()[1]]) and again.counts.sent == 1
