@@ -112,19 +112,26 @@ def test_the_tool_task_learns_in_the_flow_and_rows_show_turns_and_masks(
 
 
 #: The seed of the moment the engine-death test kills an engine (set
-#: RF_AGENT_KILL_SEED to run it at other moments, e.g. in a loop).
+#: RF_AGENT_KILL_SEED to run it at other moments, e.g. in a loop:
+#: `for s in $(seq 0 9); do RF_AGENT_KILL_SEED=$s pytest ...; done`).
 KILL_SEED = int(os.environ.get("RF_AGENT_KILL_SEED", "3"))
+#: 16 prompts in shards of 2.
+SHARDS = 8
 
 
-def test_an_agent_run_survives_an_engine_killed_mid_generation(ray_local, tiny_model, tmp_path):
-    """An engine killed while an `--agent` training run's sessions use it
-    (its iteration, engine and moment drawn from KILL_SEED): the router moves
-    its sessions to the other engine, the round's end fails it in the pool,
-    the retry replaces it, syncs it and routes to it; every (prompt, sample)
-    is written once, by one session, each iteration at its own version, and
+def test_an_agent_run_survives_an_engine_killed_at_a_random_moment(ray_local, tiny_model, tmp_path):
+    """An engine killed during an `--agent` training run (its iteration,
+    engine and moment drawn from KILL_SEED): after 1 to 7 of an iteration's
+    8 shards its sessions use it, and the router moves them to the other
+    engine, the round's end fails it in the pool, the retry replaces it,
+    syncs it and routes to it; after iteration 0's last shard it dies in the
+    policy step or the sync, which replaces it. Every (prompt, sample) is
+    written once, by one session, each iteration at its own version, and
     nothing is left."""
     rng = random.Random(KILL_SEED)
-    iteration, index, after = rng.choice([0, 1]), rng.choice([0, 1]), rng.randint(1, 3)
+    iteration, index = rng.choice([0, 1]), rng.choice([0, 1])
+    after = rng.randint(1, SHARDS if iteration == 0 else SHARDS - 1)
+    drawn = f"seed {KILL_SEED}: engine {index} after {after} shards of iteration {iteration}"
     run = small_run(tiny_model, tmp_path, num_engines=2, shard_size=2, shards_per_engine=2)
     params = run_params(**{**run, **TOOL_TASK, "iterations": 2, "n": 2})
     killed: list[str] = []
@@ -139,8 +146,8 @@ def test_an_agent_run_survives_an_engine_killed_mid_generation(ray_local, tiny_m
     killer.start()
     state = rollout(params, return_state=True)
     killer.join(timeout=30)
-    assert killed, f"engine {index} was not killed in iteration {iteration}"
-    assert state.is_completed(), state.message
+    assert killed, f"not killed ({drawn})"
+    assert state.is_completed(), f"{drawn}: {state.message}"
     run_id = str(state.state_details.flow_run_id)
     for i in range(2):
         rows = read_rows(tmp_path / run_id / f"iter-{i:03d}")
