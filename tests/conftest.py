@@ -1,4 +1,5 @@
-"""Session fixtures shared by every test: the tiny model and one local Ray."""
+"""Session fixtures shared by every test: the tiny model and one local Ray;
+and the leak guard (tests/leak_guard.py) after every module."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import tempfile
 
 import pytest
+from leak_guard import GUARD, _leak_guard, pytest_fixture_setup  # noqa: F401 - the guard's fixture and hook
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -28,12 +30,13 @@ def start_local_ray():
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=RAY_NUM_CPUS,
-            include_dashboard=False,
-            namespace="rolloutflow-tests",
-        )
+        with GUARD.session_owned():  # ends with the session (or a test's ray.shutdown)
+            ray.init(
+                address="local",
+                num_cpus=RAY_NUM_CPUS,
+                include_dashboard=False,
+                namespace="rolloutflow-tests",
+            )
     return ray
 
 
