@@ -13,6 +13,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # Every test session gets its own Prefect home: ~/.prefect is shared.
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rolloutflow-prefect-"))
+# Ray's own start-up deadlines (a raylet waits 30 s for its agents, a worker
+# process gets 60 s to register) are fixed for an idle machine; on the 2-core
+# box under a CI run beside other work they were missed. Every Ray node the
+# tests start (local, `ray start`, a CLI's) inherits these.
+os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
+os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")
 
 # Logical CPUs for the local Ray: engines, trainer and tasks each take one
 # bundle CPU; the work itself is tiny, so more logical than physical is fine.

@@ -135,7 +135,7 @@ def test_the_endpoint_serves_again_after_a_restart_and_in_the_engine_table(engin
     wait_ready(pool, 120)
     assert pool.stats[0].openai_url == url and pool.stats[0].as_row()["openai_url"] == url
     assert restart_engine(engines, 0)
-    ray.get(engines[0].ready.remote(), timeout=120)
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     again = ray.get(engines[0].openai_url.remote(), timeout=60)
     answer = client(again, engines.api_key).completions.create(
         model=None, prompt="hi", max_tokens=2

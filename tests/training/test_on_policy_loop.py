@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 from prefect import flow
+from waiting import SETUP_TIMEOUT_S
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
@@ -73,7 +74,7 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
     try:
         policy = create_policy_actor(PolicyConfig(pretrain=model, learning_rate=3e-2, seed=0))
         wait_for_policy(policy, ready_timeout_s=180)
-        ray.get(engines[0].ready.remote(), timeout=180)
+        ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
         init_weight_sync(policy, engines)
         prompt_ids = [get(engines[0].encode.remote(p), 30) for p in PROMPTS]
         trained, synced = [], []
