@@ -93,35 +93,81 @@ def ray_groups() -> dict[str, str]:
     }
 
 
+def ray_tasks() -> dict[str, str]:
+    """Tasks (not actor methods) submitted and not finished in the connected
+    Ray cluster: each holds a CPU while it runs, and one left running by a
+    test holds it into the next module's."""
+    import ray
+    from ray._private import state
+    from ray.core.generated.common_pb2 import TaskStatus, TaskType
+
+    if not ray.is_initialized():
+        return {}
+    tasks: dict[str, dict] = {}
+    for event in state.state._get_all_task_events():  # the GCS's, per state change
+        task = tasks.setdefault(f"{event.task_id.hex()}-{event.attempt_number}", {"states": set()})
+        if event.HasField("task_info"):
+            task["name"] = event.task_info.name
+            task["normal"] = event.task_info.type == TaskType.NORMAL_TASK
+        if event.HasField("state_updates"):
+            task["states"] |= set(event.state_updates.state_ts_ns)
+            if event.state_updates.HasField("worker_pid"):
+                task["pid"] = event.state_updates.worker_pid
+    ended = {TaskStatus.FINISHED, TaskStatus.FAILED}
+    return {
+        task_id: f"task {task['name']} (pid {task.get('pid', '-')}, "
+        + ("running)" if TaskStatus.RUNNING in task["states"] else "waiting)")
+        for task_id, task in tasks.items()
+        if task.get("normal") and not task["states"] & ended
+    }
+
+
 @dataclass
 class Snapshot:
     processes: set[tuple[int, int]] = field(default_factory=set)
     actors: set[str] = field(default_factory=set)
     groups: set[str] = field(default_factory=set)
+    tasks: set[str] = field(default_factory=set)
 
     @classmethod
     def take(cls) -> Snapshot:
-        return cls({p.key for p in my_processes().values()}, set(ray_actors()), set(ray_groups()))
+        return cls(
+            {p.key for p in my_processes().values()},
+            set(ray_actors()),
+            set(ray_groups()),
+            set(ray_tasks()),
+        )
 
     def add(self, other: Snapshot) -> None:
         self.processes |= other.processes
         self.actors |= other.actors
         self.groups |= other.groups
+        self.tasks |= other.tasks
+
+    def minus(self, other: Snapshot) -> Snapshot:
+        return Snapshot(
+            self.processes - other.processes,
+            self.actors - other.actors,
+            self.groups - other.groups,
+            self.tasks - other.tasks,
+        )
 
 
 @dataclass
 class Leftovers:
     actors: dict[str, Actor]
     groups: dict[str, str]
+    tasks: dict[str, str]
     processes: list[Process]
 
     def __bool__(self) -> bool:
-        return bool(self.actors or self.groups or self.processes)
+        return bool(self.actors or self.groups or self.tasks or self.processes)
 
     def describe(self) -> list[str]:
         return [
             *(actor.description for actor in self.actors.values()),
             *self.groups.values(),
+            *self.tasks.values(),
             *(f"process {p.pid}: {p.cmdline()[:200]}" for p in self.processes),
         ]
 
@@ -158,13 +204,7 @@ class LeakGuard:
             yield
         finally:
             after = Snapshot.take()
-            self.session.add(
-                Snapshot(
-                    after.processes - before.processes,
-                    after.actors - before.actors,
-                    after.groups - before.groups,
-                )
-            )
+            self.session.add(after.minus(before))
 
     def start_module(self) -> None:
         self.module_start = Snapshot.take()
@@ -189,6 +229,7 @@ class LeakGuard:
         return Leftovers(
             {k: v for k, v in ray_actors().items() if k not in kept.actors},
             {k: v for k, v in ray_groups().items() if k not in kept.groups},
+            {k: v for k, v in ray_tasks().items() if k not in kept.tasks},
             sorted((p for p in new.values() if started_here(p)), key=lambda p: p.pid),
         )
 

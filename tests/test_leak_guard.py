@@ -37,6 +37,12 @@ LEAKY = """
 import subprocess, ray
 from conftest import Holder
 
+@ray.remote(num_cpus=1)
+def sleeper():
+    import time
+    time.sleep(1200)
+
+
 held = []  # a handle kept past the test: Ray ends an actor once none is left
 
 
@@ -46,6 +52,7 @@ def test_leaks_an_actor_a_group_and_a_process(cluster):
     group = ray.util.placement_group([{"CPU": 1}])
     ray.get(group.ready(), timeout=120)
     subprocess.Popen(["sleep", "1234"])
+    sleeper.remote()  # a task still running: it holds a CPU
 """
 
 CLEAN = """
@@ -85,6 +92,7 @@ def test_the_guard_names_the_leaking_module_and_what_it_left(tmp_path):
     assert "actor Holder 'leaky-holder'" in left, out
     assert "bundles [{'CPU': 1.0}]" in left, out
     assert "sleep 1234" in left, out
+    assert "task sleeper" in left, out
     # Nothing else is blamed: not the session's actor or cluster, nor the clean module.
     assert "session-holder" not in left, out
     assert "raylet" not in left, out
