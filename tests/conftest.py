@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 from leak_guard import GUARD, _leak_guard, pytest_fixture_setup  # noqa: F401 - the guard's fixture and hook
+from waiting import SETUP_TIMEOUT_S
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -59,6 +60,18 @@ def ray_local():
 def ray_local_module():
     """`ray_local` for module-scoped fixtures."""
     return start_local_ray()
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url() -> str:
+    """One Prefect test harness (a temporary server with SQLite) for every
+    test of the session that runs a flow: without it the first flow starts
+    Prefect's own temporary server, which lives until the process ends."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=SETUP_TIMEOUT_S):
+        yield PREFECT_API_URL.value()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,8 +18,11 @@ class Process:
         return (self.pid, self.started)
 
     def cmdline(self) -> str:
+        """Its command line, or its name in brackets while it has none (as
+        `ps` shows a process whose memory is already released)."""
         try:
-            return Path(f"/proc/{self.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            line = Path(f"/proc/{self.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            return line.strip() or f"[{Path(f'/proc/{self.pid}/comm').read_text().strip()}]"
         except (FileNotFoundError, ProcessLookupError):
             return "(gone)"
 

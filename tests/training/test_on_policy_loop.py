@@ -97,6 +97,9 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
         destroy_engines(engines)
 
 
+# The session's Prefect harness: a flow run without one starts Prefect's own
+# temporary server, left running after this module (the leak guard's find).
+@pytest.mark.usefixtures("prefect_api_url")
 def test_on_policy_loop_raises_the_reward(ray_local, tiny_model, tmp_path):
     result = on_policy_loop(tiny_model, str(tmp_path))
     trained, synced = result["trained"], result["synced"]

@@ -40,7 +40,7 @@ def live_groups(prefix: str) -> list[str]:
 
 
 def first_tokens(engine, params: SamplingParams) -> list[list[int]]:
-    ids = ray.get(engine.encode.remote(PROMPT), timeout=120)  # the first call waits for start-up
+    ids = ray.get(engine.encode.remote(PROMPT), timeout=SETUP_TIMEOUT_S)  # waits for start-up
     output = ray.get(engine.generate.remote(ids, params), timeout=60)
     return [completion.token_ids for completion in output.outputs]
 
@@ -114,7 +114,7 @@ def test_same_seed_same_tokens_and_engine_i_uses_seed_plus_i(ray_local, tiny_mod
 
 def test_concurrent_generate_calls_all_answered(two_engines):
     engine = two_engines[0]
-    ids = ray.get(engine.encode.remote(PROMPT), timeout=120)  # the first call waits for start-up
+    ids = ray.get(engine.encode.remote(PROMPT), timeout=SETUP_TIMEOUT_S)  # waits for start-up
     params = SamplingParams(max_tokens=6, ignore_eos=True, seed=7)
     refs = [engine.generate.remote([ids, ids[:2]], params) for _ in range(8)]
     results = ray.get(refs, timeout=120)
