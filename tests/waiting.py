@@ -16,3 +16,9 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+# Deadline of a test's set-up waits (a Ray node, a Prefect server, an engine
+# to be ready): on the 2-core box under a CI run beside other work (load 15-50)
+# these took minutes, where an idle box takes seconds.
+SETUP_TIMEOUT_S = 300.0

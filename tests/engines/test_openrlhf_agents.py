@@ -22,6 +22,7 @@ from openrlhf_calls import (
     generate_responses,
 )
 from transformers import AutoConfig, AutoTokenizer
+from waiting import SETUP_TIMEOUT_S
 
 from engines import EngineSpecError, SamplingParams, create_vllm_engines, destroy_engines
 from engines.openrlhf.agents import run_openrlhf_agent
@@ -41,7 +42,7 @@ def agent_file(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def agent_engines(ray_local_module, tiny_model, agent_file):
     engines = create_vllm_engines(**create_call(tiny_model, agent_func_path=agent_file))
-    ray.get(engines[0].ready.remote(), timeout=120)
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     yield engines, AutoTokenizer.from_pretrained(tiny_model)
     destroy_engines(engines)
 

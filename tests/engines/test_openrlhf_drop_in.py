@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 from openrlhf_calls import PROMPT, create_call
+from waiting import SETUP_TIMEOUT_S
 
 from engines import SamplingParams, batch_vllm_engine_call, create_vllm_engines, destroy_engines
 
@@ -62,7 +63,7 @@ def openrlhf_engines(ray_local_module, tiny_model):
     from transformers import AutoTokenizer
 
     engines = create_vllm_engines(**create_call(tiny_model, vllm_enable_sleep=True))
-    health = ray.get(engines[0].health.remote(), timeout=120)
+    health = ray.get(engines[0].health.remote(), timeout=SETUP_TIMEOUT_S)
     assert health["sleeping"] == ["kv_cache", "weights"]  # asleep once created, as OpenRLHF's
     # ppo_utils/samples_generator.py:66-67
     batch_vllm_engine_call(engines, "wake_up")

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import ray
-from waiting import wait_until
+from waiting import SETUP_TIMEOUT_S, wait_until
 
 from engines import create_vllm_engines, destroy_engines, restart_engine
 from engines.serving import ServingMiddleware, error_body
@@ -35,6 +35,8 @@ def engines(ray_local_module, tiny_model):
 
 @pytest.fixture(scope="module")
 def url(engines) -> str:
+    # The engine's start first, on the set-up deadline (a loaded box).
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     return ray.get(engines[0].openai_url.remote(), timeout=60)
 
 
@@ -133,7 +135,7 @@ def test_the_endpoint_serves_again_after_a_restart_and_in_the_engine_table(engin
     wait_ready(pool, 120)
     assert pool.stats[0].openai_url == url and pool.stats[0].as_row()["openai_url"] == url
     assert restart_engine(engines, 0)
-    ray.get(engines[0].ready.remote(), timeout=120)
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     again = ray.get(engines[0].openai_url.remote(), timeout=60)
     answer = client(again, engines.api_key).completions.create(
         model=None, prompt="hi", max_tokens=2

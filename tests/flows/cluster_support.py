@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from waiting import SETUP_TIMEOUT_S
 
 # Node death is detected by GCS health checks (by default after about 15 s);
 # a test that kills a node wants to see it within a couple of seconds.
@@ -199,7 +200,7 @@ class ProcessCluster:
             env,
         )
 
-    def wait_for_nodes(self, timeout_s: float = 120.0) -> None:
+    def wait_for_nodes(self, timeout_s: float = SETUP_TIMEOUT_S) -> None:
         """Wait (connected as a driver) until every started node not killed is
         alive, and no other; record each worker's node id by its custom resource."""
         nodes = {name: node for name, node in self.nodes.items() if not node.killed}

@@ -1,5 +1,5 @@
-"""One Prefect test harness (a temporary server with SQLite) for every flow
-test of the session: starting one takes seconds."""
+"""Every flow test runs under the session's Prefect test harness
+(tests/conftest.py): starting one takes seconds."""
 
 from __future__ import annotations
 
@@ -7,9 +7,5 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prefect_api_url() -> str:
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=90):
-        yield PREFECT_API_URL.value()
+def _flows_use_the_harness(prefect_api_url) -> str:
+    return prefect_api_url

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 from prefect import flow
+from waiting import SETUP_TIMEOUT_S
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
@@ -74,7 +75,7 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
     try:
         policy = create_policy_actor(PolicyConfig(pretrain=model, learning_rate=3e-2, seed=0))
         wait_for_policy(policy, ready_timeout_s=180)
-        ray.get(engines[0].ready.remote(), timeout=180)
+        ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
         init_weight_sync(policy, engines)
         pool = EnginePool(engines)
         prompt_ids = [get(engines[0].encode.remote(p), 30) for p in PROMPTS]
@@ -98,6 +99,9 @@ def on_policy_loop(model: str, run_dir: str) -> dict:
         destroy_engines(engines)
 
 
+# The session's Prefect harness: a flow run without one starts Prefect's own
+# temporary server, left running after this module (the leak guard's find).
+@pytest.mark.usefixtures("prefect_api_url")
 def test_on_policy_loop_raises_the_reward(ray_local, tiny_model, tmp_path):
     result = on_policy_loop(tiny_model, str(tmp_path))
     trained, synced = result["trained"], result["synced"]

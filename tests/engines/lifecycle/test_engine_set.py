@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 from faults import end_generation_thread
+from waiting import SETUP_TIMEOUT_S
 
 from engines import (
     EngineSetSpec,
@@ -39,7 +40,7 @@ def live_groups(prefix: str) -> list[str]:
 
 
 def first_tokens(engine, params: SamplingParams) -> list[list[int]]:
-    ids = ray.get(engine.encode.remote(PROMPT), timeout=120)  # the first call waits for start-up
+    ids = ray.get(engine.encode.remote(PROMPT), timeout=SETUP_TIMEOUT_S)  # waits for start-up
     output = ray.get(engine.generate.remote(ids, params), timeout=60)
     return [completion.token_ids for completion in output.outputs]
 
@@ -64,7 +65,10 @@ def two_engines(ray_local, tiny_model):
 def test_usage_example_generates_tokens(two_engines):
     assert len(two_engines) == 2
     assert all(isinstance(h, ray.actor.ActorHandle) for h in two_engines)
-    assert ray.get([e.ready.remote() for e in two_engines], timeout=120) == two_engines.names
+    assert (
+        ray.get([e.ready.remote() for e in two_engines], timeout=SETUP_TIMEOUT_S)
+        == two_engines.names
+    )
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outputs = ray.get([e.generate_text.remote(PROMPT, params) for e in two_engines], timeout=60)
     for output, name in zip(outputs, two_engines.names, strict=True):
@@ -87,7 +91,9 @@ def test_a_spec_starts_its_set(ray_local, tiny_model):
         assert engines.namespace == ray.get_runtime_context().namespace
         assert [(c.seed, c.bundle_indices) for c in engines.configs] == [(3, [0]), (4, [1])]
         assert all(c.max_len == 256 and c.pretrain == tiny_model for c in engines.configs)
-        assert ray.get([e.ready.remote() for e in engines], timeout=120) == engines.names
+        assert (
+            ray.get([e.ready.remote() for e in engines], timeout=SETUP_TIMEOUT_S) == engines.names
+        )
     finally:
         destroy_engines(engines)
     assert live_groups("test-spec") == []
@@ -108,7 +114,7 @@ def test_same_seed_same_tokens_and_engine_i_uses_seed_plus_i(ray_local, tiny_mod
 
 def test_concurrent_generate_calls_all_answered(two_engines):
     engine = two_engines[0]
-    ids = ray.get(engine.encode.remote(PROMPT), timeout=120)  # the first call waits for start-up
+    ids = ray.get(engine.encode.remote(PROMPT), timeout=SETUP_TIMEOUT_S)  # waits for start-up
     params = SamplingParams(max_tokens=6, ignore_eos=True, seed=7)
     refs = [engine.generate.remote([ids, ids[:2]], params) for _ in range(8)]
     results = ray.get(refs, timeout=120)
@@ -120,7 +126,7 @@ def test_concurrent_generate_calls_all_answered(two_engines):
 def test_destroy_leaves_nothing_and_is_idempotent(ray_local, tiny_model):
     namespace = ray.get_runtime_context().namespace
     engines = create_vllm_engines(2, tiny_model, 256, 0.5, name_prefix="test-destroy")
-    ray.get([e.ready.remote() for e in engines], timeout=120)
+    ray.get([e.ready.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
     assert live_engine_names("test-destroy", namespace) == engines.names
     assert len(live_groups("test-destroy")) == 1
 
@@ -138,7 +144,7 @@ def test_destroy_by_name_from_prefix_only(ray_local, tiny_model):
     engines = create_vllm_engines(
         1, tiny_model, 256, 0.5, name_prefix="test-byname", namespace=namespace
     )
-    ray.get(engines[0].ready.remote(), timeout=120)
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     assert destroy_engines(name_prefix="test-byname", namespace=namespace) == 1
     assert live_engine_names("test-byname", namespace) == []
     assert live_groups("test-byname") == []
@@ -148,7 +154,7 @@ def test_prompt_too_long_is_per_request(two_engines):
     from engines import PromptTooLongError
 
     engine = two_engines[0]
-    ray.get(engine.ready.remote(), timeout=120)
+    ray.get(engine.ready.remote(), timeout=SETUP_TIMEOUT_S)
     with pytest.raises(PromptTooLongError, match="2048 tokens; max_len=2048"):
         ray.get(engine.generate.remote([5] * 2048, SamplingParams()), timeout=60)
     # The engine keeps serving.

@@ -6,7 +6,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
-from waiting import wait_until
+from waiting import SETUP_TIMEOUT_S, wait_until
 
 from engines import create_vllm_engines, destroy_engines
 from engines.errors import EngineSpecError
@@ -29,10 +29,14 @@ def test_assign_bundles_refuses_to_split_an_engine_across_nodes():
 def fake_gpu_cluster():
     """A head node without GPUs and two 2-GPU worker nodes (fake GPU resources)."""
     ray.shutdown()  # the session's local Ray, if a test started it
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    nodes = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
+    # No node waits Ray's fixed 30 s for itself: all are awaited together on
+    # the set-up deadline (a loaded box).
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "wait": False}
+    )
+    nodes = [cluster.add_node(num_cpus=2, num_gpus=2, wait=False) for _ in range(2)]
+    cluster.wait_for_nodes(timeout=SETUP_TIMEOUT_S)
     ray.init(address=cluster.address)
-    cluster.wait_for_nodes()
     yield {node.node_id for node in nodes}
     ray.shutdown()
     cluster.shutdown()
@@ -51,7 +55,7 @@ def test_tp2_engines_get_bundles_on_one_node_each(fake_gpu_cluster, tiny_model):
         table = ray.util.placement_group_table(engines.placement.placement_group)
         assert all(spec == {"GPU": 1.0, "CPU": 1.0} for spec in table["bundles"].values())
         node_of = table["bundles_to_node_id"]
-        healths = ray.get([e.health.remote() for e in engines], timeout=120)
+        healths = ray.get([e.health.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
         for health, bundles in zip(healths, engines.placement.bundles, strict=True):
             assert len(bundles) == 2
             nodes = {node_of[b] for b in bundles}
@@ -85,7 +89,7 @@ def test_shared_pg_is_honoured_and_kept(fake_gpu_cluster, tiny_model):
         2, tiny_model, 256, 0.3, shared_pg=pg, name_prefix="test-colocate"
     )
     try:
-        healths = ray.get([e.health.remote() for e in engines], timeout=120)
+        healths = ray.get([e.health.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
         assert [h["bundle_indices"] for h in healths] == [[0], [1]]
         node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
         assert healths[0]["node_id"] == node_of[0] == ray.get(trainer.node.remote(), timeout=30)
@@ -129,9 +133,9 @@ def test_colocated_engines_and_their_trainer_share_one_gpu(fake_gpu_cluster, tin
         trainer = Trainer.options(**options).remote()
         node, resources = ray.get(trainer.where.remote(), timeout=60)
         assert resources == {"GPU": 0.25, "CPU": 0.25}
-        healths = ray.get([e.health.remote() for e in engines], timeout=120)
+        healths = ray.get([e.health.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
         spare = engines.spares[0].handle
-        healths.append(ray.get(spare.health.remote(), timeout=120))
+        healths.append(ray.get(spare.health.remote(), timeout=SETUP_TIMEOUT_S))
         assert {h["node_id"] for h in healths} == {node}
         assert [h["bundle_indices"] for h in healths] == [[0], [0], [0]]
         # One GPU: each loads its model once the one before it is up.

@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 from policy_probes import ProbedPolicy
+from waiting import SETUP_TIMEOUT_S
 
 from engines import (
     EngineStaleError,
@@ -197,7 +198,7 @@ def cluster(tiny_model, ray_local_module):
     engines = create_vllm_engines(
         1, tiny_model, max_len=64, gpu_memory_utilization=0.5, backend="hf", name_prefix="probe"
     )
-    ray.get([e.ready.remote() for e in engines], timeout=180)
+    ray.get([e.ready.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
     policy = ProbedPolicy(
         PolicyConfig(pretrain=tiny_model, bucket_bytes=BUCKET_BYTES, sync_timeout_s=20.0)
     )

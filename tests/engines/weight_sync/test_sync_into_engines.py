@@ -19,6 +19,7 @@ import ray
 import torch
 from policy_probes import create_probed_policy
 from test_group import listening_addresses
+from waiting import SETUP_TIMEOUT_S
 
 from engines import (
     EngineStaleError,
@@ -58,7 +59,7 @@ def cluster(tiny_model, ray_local_module):
     policy = create_probed_policy(
         {"pretrain": tiny_model, "sync_timeout_s": TIMEOUT_S, "bucket_bytes": 64 * 1024}
     )
-    ray.get([e.ready.remote() for e in engines] + [policy.health.remote()], timeout=180)
+    ray.get([e.ready.remote() for e in engines] + [policy.health.remote()], timeout=SETUP_TIMEOUT_S)
     get(policy.init_weight_sync.remote(engines), 60)
     yield engines, policy
     ray.kill(policy)

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import ray
-from waiting import wait_until
+from waiting import SETUP_TIMEOUT_S, wait_until
 
 from engines import create_vllm_engines, destroy_engines
 from engines.sampling import SamplingParams
@@ -31,7 +31,7 @@ TEXTS = ["Write lowercase letters after abc", "Write lowercase letters after xyz
 @pytest.fixture
 def pool(ray_local, tiny_model):
     engines = create_vllm_engines(2, tiny_model, MAX_LEN, backend="hf", name_prefix="resume")
-    ray.get([e.ready.remote() for e in engines], timeout=120)
+    ray.get([e.ready.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
     yield EnginePool(engines)
     destroy_engines(engines)
 

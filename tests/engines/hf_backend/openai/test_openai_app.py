@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 import ray
+from waiting import SETUP_TIMEOUT_S
 
 from engines import create_vllm_engines, destroy_engines
 
@@ -46,8 +47,8 @@ def engines(ray_local_module, tiny_model):
 
 @pytest.fixture(scope="module")
 def url(engines) -> str:
-    # The engine's start first, on its own deadline (a loaded box, -n 2).
-    ray.get(engines[0].ready.remote(), timeout=300)
+    # The engine's start first, on the set-up deadline (a loaded box, -n 2).
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     return ray.get(engines[0].openai_url.remote(), timeout=60)
 
 

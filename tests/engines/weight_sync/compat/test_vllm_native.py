@@ -22,6 +22,7 @@ import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM
+from waiting import SETUP_TIMEOUT_S
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
@@ -98,7 +99,7 @@ def engine(tiny_model, ray_local_module):
     engines = create_vllm_engines(
         1, tiny_model, max_len=128, gpu_memory_utilization=0.5, backend="hf", name_prefix="native"
     )
-    ray.get(engines[0].ready.remote(), timeout=180)
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     yield engines[0]
     destroy_engines(engines)
 
@@ -214,7 +215,7 @@ def lora_engine(tiny_model, ray_local_module):
         max_lora_rank=8,
         max_loras=2,  # what the engine keeps when no trainer of ours says
     )
-    ray.get(engines[0].ready.remote(), timeout=180)
+    ray.get(engines[0].ready.remote(), timeout=SETUP_TIMEOUT_S)
     yield engines[0]
     destroy_engines(engines)
 

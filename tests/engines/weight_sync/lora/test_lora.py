@@ -10,7 +10,7 @@ import copy
 import pytest
 import ray
 import torch
-from waiting import wait_until
+from waiting import SETUP_TIMEOUT_S, wait_until
 
 from engines import SamplingParams, create_vllm_engines, destroy_engines
 from engines.client import get
@@ -157,7 +157,7 @@ def engines(tiny_model, ray_local_module):
         enable_lora=True,
         max_lora_rank=MAX_RANK,
     )
-    ray.get([e.ready.remote() for e in engines], timeout=180)
+    ray.get([e.ready.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
     yield engines
     destroy_engines(engines)
 
