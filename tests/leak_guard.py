@@ -237,10 +237,12 @@ class LeakGuard:
         deadline = time.monotonic() + self.deadline_s
         while left := self.leftovers():
             if time.monotonic() > deadline:
+                # Described before they are ended: a killed process's command
+                # line is gone while it waits to be reaped.
+                described = "\n  ".join(left.describe())
                 left.end()
                 pytest.fail(
-                    f"{module} left behind (after {self.deadline_s:g}s):\n  "
-                    + "\n  ".join(left.describe()),
+                    f"{module} left behind (after {self.deadline_s:g}s):\n  {described}",
                     pytrace=False,
                 )
             time.sleep(0.2)

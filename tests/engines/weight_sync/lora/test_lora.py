@@ -237,9 +237,11 @@ def test_bad_adapters_are_refused_by_value_and_change_nothing(tiny_model, engine
 
 
 def test_an_engine_without_lora_refuses_an_adapter(tiny_model, ray_local):
-    (engine,) = create_vllm_engines(
+    # The set, not its one handle, is destroyed: it knows its placement group.
+    started = create_vllm_engines(
         1, tiny_model, max_len=64, backend="hf", name_prefix="test-nolora"
     )
+    (engine,) = started
     try:
         # Up first: the sync's own deadline is not a start-up's.
         get(engine.ready.remote(), 300)
@@ -250,7 +252,7 @@ def test_an_engine_without_lora_refuses_an_adapter(tiny_model, ray_local):
             sender.sync([(name, torch.zeros(4, 32))], 1)
         assert get(engine.weight_status.remote(), 30).stale is False
     finally:
-        destroy_engines([engine])
+        destroy_engines(started)
 
 
 def test_a_request_finishes_on_the_adapter_it_was_admitted_under(tiny_model, engines, tmp_path):
