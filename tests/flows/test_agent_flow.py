@@ -88,27 +88,42 @@ def test_the_tool_task_learns_in_the_flow_and_rows_show_turns_and_masks(
     summary = state.result()
     rewards = [step.mean_reward for step in summary.training]
     assert rewards[-1] - rewards[0] > 0.15, rewards
-    # The rows' structure, from every iteration: a session the router split
-    # (its pieces hold fewer turns each) may be the last one's only caller.
-    rows = [
-        row
-        for i in range(TOOL_TASK["iterations"])
-        for row in read_rows(tmp_path / summary.run_id / f"iter-{i:03d}")
-    ]
+    # The rows' structure, from every iteration's sessions.
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    called = [row for row in rows if len(row["turns"]) >= 3]
-    assert called, "no session called the tool and answered in one sample"
-    for row in called:
-        roles = [turn["role"] for turn in row["turns"]]
-        assert roles[:3] == ["assistant", "environment", "assistant"], roles
-        for turn in row["turns"]:
-            mask = row["loss_mask"][turn["start"] : turn["stop"]]
-            assert set(mask) <= ({1} if turn["role"] == "assistant" else {0}), (turn, mask)
-        tool = row["turns"][1]
-        environment = row["response_token_ids"][tool["start"] : tool["stop"]]
-        # The tool's result is in the stream as the environment's tokens.
-        assert f"tool: {tool_task.lookup(row['label'])}" in tokenizer.decode(environment)
-        assert row["session_id"] and row["reward"] >= tool_task.CALL_BONUS
+    sessions: dict[tuple[int, str], list[dict]] = {}
+    for i in range(TOOL_TASK["iterations"]):
+        for row in read_rows(tmp_path / summary.run_id / f"iter-{i:03d}"):
+            sessions.setdefault((i, row["session_id"]), []).append(row)
+    # A session that called the tool is one sample of three turns, or two
+    # pieces: the router splits it where the agent's re-sent first reply
+    # renders to other tokens than were sampled (a sampled byte that is not
+    # UTF-8 comes back as U+FFFD), which the byte-level tiny model often does.
+    called = [
+        pieces for pieces in sessions.values() if len(pieces) > 1 or len(pieces[0]["turns"]) >= 3
+    ]
+    assert called, "no session called the tool"
+    for pieces in called:
+        for row in pieces:
+            for turn in row["turns"]:
+                mask = row["loss_mask"][turn["start"] : turn["stop"]]
+                assert set(mask) <= ({1} if turn["role"] == "assistant" else {0}), (turn, mask)
+            assert row["session_id"] and row["reward"] >= tool_task.CALL_BONUS
+        result = f"tool: {tool_task.lookup(pieces[0]['label'])}"
+        if len(pieces) == 1:
+            (row,) = pieces
+            roles = [turn["role"] for turn in row["turns"]]
+            assert roles == ["assistant", "environment", "assistant"], roles
+            tool = row["turns"][1]
+            environment = row["response_token_ids"][tool["start"] : tool["stop"]]
+            # The tool's result is in the stream as the environment's tokens.
+            assert result in tokenizer.decode(environment)
+        else:
+            first, second = sorted(pieces, key=lambda row: row["split_reason"] is not None)
+            assert first["split_reason"] is None and len(pieces) == 2, pieces
+            assert second["split_reason"].startswith("turn 2: its prompt leaves"), second
+            assert [t["role"] for t in first["turns"] + second["turns"]] == ["assistant"] * 2
+            # The new piece starts with the history as rendered: the tool's result in it.
+            assert result in tokenizer.decode(second["prompt_token_ids"])
 
 
 #: The seed of the moment the engine-death test kills an engine (set
