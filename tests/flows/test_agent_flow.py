@@ -118,8 +118,9 @@ def test_the_tool_task_learns_in_the_flow_and_rows_show_turns_and_masks(
             # The tool's result is in the stream as the environment's tokens.
             assert result in tokenizer.decode(environment)
         else:
+            assert len(pieces) == 2, pieces
             first, second = sorted(pieces, key=lambda row: row["split_reason"] is not None)
-            assert first["split_reason"] is None and len(pieces) == 2, pieces
+            assert first["split_reason"] is None, pieces
             assert second["split_reason"].startswith("turn 2: its prompt leaves"), second
             assert [t["role"] for t in first["turns"] + second["turns"]] == ["assistant"] * 2
             # The new piece starts with the history as rendered: the tool's result in it.
