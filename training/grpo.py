@@ -40,18 +40,22 @@ def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> l
 
 
 def micro_batches(sequences: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Indices of `sequences` in consecutive groups whose padded size (count x
-    longest) stays within `max_tokens`; a longer sequence goes alone."""
+    """Indices of `sequences` in groups whose padded size (count x longest)
+    stays within `max_tokens`; a longer sequence goes alone. Packed in order
+    of length, so a long sample pads long neighbours only: in a long-tailed
+    batch, kept in arrival order, every 2,048-token sample would pad the
+    short ones beside it to its length. The loss is a sum over samples, so
+    the grouping does not change it."""
     batches: list[list[int]] = []
     longest = 0
-    for i, sequence in enumerate(sequences):
-        width = max(longest, len(sequence))
+    for i in sorted(range(len(sequences)), key=lambda k: len(sequences[k])):
+        width = max(longest, len(sequences[i]))
         if batches and width * (len(batches[-1]) + 1) <= max_tokens:
             batches[-1].append(i)
             longest = width
         else:
             batches.append([i])
-            longest = len(sequence)
+            longest = len(sequences[i])
     return batches
 
 

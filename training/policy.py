@@ -5,9 +5,11 @@ models plug in their own `Trainer`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from engines.weight_sync import LoraSpec, LoraSync
@@ -55,6 +57,27 @@ def engine_dtype(pretrain: str, backend: str, engine_kwargs: dict) -> str:
         return _DTYPES[asked]
     saved = checkpoint_dtype(pretrain)
     return "bfloat16" if backend == "vllm" and saved == "float32" else saved
+
+
+@contextlib.contextmanager
+def tf32_matmuls(device: Any) -> Iterator[None]:
+    """A step's float32 matmuls on TF32 tensor cores, on CUDA: torch's
+    default ("highest") runs them on the far slower full-precision units,
+    which made the step, not generation, the long-tail run's bottleneck.
+    TF32 rounds the inputs to 10 mantissa bits, finer than the bf16 the
+    engines compute in; the weights stay float32, and outside the step
+    (the probe's reference) matmuls keep full precision."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 class OffPolicyStats:
@@ -203,15 +226,16 @@ class ReferencePolicy(Trainer):
             sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
             # The loss is the mean over every trained sample, its gradient
             # accumulated over micro-batches: activations for one at a time.
-            for batch in micro_batches(sequences, self.config.micro_batch_tokens):
-                per_seq = token_logprobs(self.model, [sequences[i] for i in batch], self.pad_id)
-                losses = [
-                    self._sample_loss(*trained[i], logprobs, off_policy)
-                    for i, logprobs in zip(batch, per_seq, strict=True)
-                ]
-                loss = torch.stack(losses).sum() / len(trained)
-                loss.backward()
-                loss_value += float(loss.detach())
+            with tf32_matmuls(self.device):
+                for batch in micro_batches(sequences, self.config.micro_batch_tokens):
+                    per_seq = token_logprobs(self.model, [sequences[i] for i in batch], self.pad_id)
+                    losses = [
+                        self._sample_loss(*trained[i], logprobs, off_policy)
+                        for i, logprobs in zip(batch, per_seq, strict=True)
+                    ]
+                    loss = torch.stack(losses).sum() / len(trained)
+                    loss.backward()
+                    loss_value += float(loss.detach())
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             )

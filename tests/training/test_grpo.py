@@ -87,9 +87,19 @@ def test_the_is_weight_scales_each_tokens_gradient():
     torch.testing.assert_close(plain.grad, torch.full((3,), -1 / 3))
 
 
-def test_micro_batches_keep_order_and_their_padded_size():
+def test_micro_batches_pack_by_length_within_their_padded_size():
     sequences = [[1] * n for n in (3, 3, 5, 2, 9, 1)]
-    # 3+3 -> 2x3=6; adding 5 would be 3x5=15 > 10; 5,2 -> 2x5=10; 9 alone; 1 joins 9? 2x9 > 10
-    assert micro_batches(sequences, 10) == [[0, 1], [2, 3], [4], [5]]
-    assert micro_batches(sequences, 1) == [[i] for i in range(6)]  # a longer one goes alone
-    assert micro_batches(sequences, 10_000) == [list(range(6))]
+    # by length: 1, 2, 3, 3 -> 4x3=12 > 10, so 1,2,3 (3x3=9); 3,5 (2x5); 9 alone
+    assert micro_batches(sequences, 10) == [[5, 3, 0], [1, 2], [4]]
+    assert micro_batches(sequences, 1) == [[5], [3], [0], [1], [2], [4]]  # a longer one alone
+    assert sorted(micro_batches(sequences, 10_000)[0]) == list(range(6))
+
+
+def test_micro_batches_keep_a_long_sample_from_padding_short_ones():
+    """A long-tailed batch: in arrival order each long sample would share a
+    micro-batch with short ones, padded to its length."""
+    lengths = [16, 2048, 40, 2048, 30, 64, 2048, 20]
+    batches = micro_batches([[1] * n for n in lengths], 4096)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded == 5 * 64 + 3 * 2048  # the short ones pad to 64, the long ones to themselves
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))

@@ -7,7 +7,7 @@ import torch
 
 from training.config import PolicyConfig
 from training.grpo import token_logprobs
-from training.policy import OffPolicyStats, ReferencePolicy, engine_dtype
+from training.policy import OffPolicyStats, ReferencePolicy, engine_dtype, tf32_matmuls
 from training.rollouts import RolloutGroup, RolloutSample
 
 
@@ -156,3 +156,15 @@ def test_a_sync_sends_the_dtype_the_engines_hold(tiny_model):
     assert engine_dtype(tiny_model, "vllm", {"dtype": "float32"}) == "float32"
     with pytest.raises(ValueError, match="'int8'"):
         engine_dtype(tiny_model, "vllm", {"dtype": "int8"})
+
+
+def test_tf32_matmuls_hold_for_a_cuda_step_only():
+    """TF32 inside a CUDA step, the caller's precision restored after it
+    (also when the step fails); a CPU step leaves the setting alone."""
+    before = torch.get_float32_matmul_precision()
+    with tf32_matmuls(torch.device("cpu")):
+        assert torch.get_float32_matmul_precision() == before
+    with pytest.raises(RuntimeError), tf32_matmuls(torch.device("cuda")):
+        assert torch.get_float32_matmul_precision() == "high"
+        raise RuntimeError("the step failed")
+    assert torch.get_float32_matmul_precision() == before
