@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
+        "--prompts-seed",
+        type=int,
+        help="the workload's rows drawn from this seed (default: --seed), so that seeds "
+        "split over several calls (--seed 43) run on one prompts file",
+    )
+    parser.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -114,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    if args.prompts_seed is None:
+        args.prompts_seed = args.seed
     if args.num_engines is None:
         args.num_engines = 1 if args.backend == "vllm" else 2
     return args
@@ -319,14 +327,14 @@ def write_prompts(args: argparse.Namespace, workdir: Path) -> Path:
     if args.workload == "long-tail":
         from training import long_tail
 
-        rows = long_tail.make_rows(args.prompts, args.seed, args.scale)
+        rows = long_tail.make_rows(args.prompts, args.prompts_seed, args.scale)
         args.max_tokens = max(row["max_tokens"] for row in rows)
         if args.reward == LETTER_REWARD:
             args.reward = "training.rewards:target_chars_fraction"
     else:
         from training.letter_task import make_rows
 
-        rows = make_rows(args.prompts, args.seed)
+        rows = make_rows(args.prompts, args.prompts_seed)
     prompts = workdir / f"{args.workload}.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return prompts
