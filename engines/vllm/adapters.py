@@ -86,7 +86,7 @@ class Built:
         """The bytes of `tensors`, scaled as vLLM scales a new adapter's, under `lora_id`."""
         import torch
 
-        tensors.copy_into(self.own)
+        tensors.copy_bytes(self.own)
         if self.scaling != 1:  # vLLM's LoRALayerWeights.optimize, the same multiply
             torch._foreach_mul_(self.lora_b, self.scaling)
         # Registering a merged LoRAModel again is a no-op merge: its packed

@@ -140,14 +140,17 @@ class PackedAdapter:
     def nbytes(self) -> int:
         return sum(e.param.nbytes for e in self.bucket.entries)
 
-    def copy_into(self, own: Any = None) -> tuple[Any, dict[str, Any]]:
-        """`own` (a new buffer if None) holding a copy of the bytes, and the
-        adapter's tensors as views of it."""
-        if own is None:
-            own = self.buffer[: self.bucket.nbytes].clone()
-        else:
-            own.copy_(self.buffer[: self.bucket.nbytes])
+    def copy_into(self) -> tuple[Any, dict[str, Any]]:
+        """A new buffer holding a copy of the bytes, and the adapter's
+        tensors as views of it."""
+        own = self.buffer[: self.bucket.nbytes].clone()
         return own, dict(unpack_bucket(self.bucket, own))
+
+    def copy_bytes(self, own: Any) -> None:
+        """The bytes into `own`, a buffer whose views are built already: no
+        views made again (a view per tensor, 336 of them for a rank-16
+        adapter on a 0.5B model, was most of a refill's time)."""
+        own.copy_(self.buffer[: self.bucket.nbytes])
 
 
 def received_tensors(worker: Any, via: str, payload: Any) -> dict[str, Any] | PackedAdapter:
