@@ -150,3 +150,27 @@ def test_group_info_refuses_a_malformed_secret():
         GroupInfo("127.0.0.1", 1234, 2, secret="not-a-key")
     assert "not-a-key" not in str(caught.value)
     assert "secret" not in repr(GroupInfo("127.0.0.1", 1234, 2, secret=new_secret()))
+
+
+@pytest.mark.parametrize("lost_rank", [0, 1])
+def test_a_member_gone_after_the_store_ends_the_join_within_the_deadline(lost_rank):
+    """A member that reached the sealed store and never joined gloo (died
+    between the two): the others wait for its keys through the sealed store,
+    a Python store whose own timeout is torch's default of 300 s; the join
+    still ends at the group's deadline."""
+    from engines.weight_sync.group import rendezvous_store
+
+    info = GroupInfo("127.0.0.1", free_port(), 2, "sealed", "gloo", 2.0, new_secret())
+    stores = []
+    rank = 1 - lost_rank
+    lost = threading.Thread(
+        target=lambda: stores.append(rendezvous_store(info, lost_rank)), daemon=True
+    )
+    lost.start()
+    joined: dict[int, WeightGroup | Exception] = {}
+    member = threading.Thread(target=lambda: joined.update(form(info, (rank,))), daemon=True)
+    member.start()
+    member.join(TIMEOUT_S * 3)
+    assert not member.is_alive(), f"rank {rank} still waits for the lost member past the deadline"
+    assert isinstance(joined[rank], WeightTransferError), joined
+    assert "within 2s" in str(joined[rank])
