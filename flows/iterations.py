@@ -116,9 +116,13 @@ def run_iterations(
     while not pipeline.done:
         now = time.monotonic()
         if pipeline.should_sync():
-            if left and left[0].stop():
+            if left:
+                # Idle from the last answer of what was left running, not
+                # from the generation task's end (nor from the stop).
+                busy_until = left[0].stop()
                 now = time.monotonic()
-                pipeline.engines_busy(now)
+                if busy_until is not None:
+                    pipeline.engines_busy(busy_until)
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
             connect = link.handle is None

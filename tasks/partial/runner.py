@@ -80,7 +80,10 @@ class SegmentRunner:
         self.groups = list(groups)
         self.due = list(due)
         self.completed = [g for g in groups if g.complete]
-        self.stopping = self.enough()
+        # Kept running, the groups not complete go on generating while the
+        # policy trains even when complete ones (carried) already fill the
+        # batch: else the engines idle through the whole step.
+        self.stopping = self.enough() and not keep_running
         try:
             if not self.stopping:
                 for group in groups:

@@ -92,17 +92,27 @@ class LeftRunning:
         self, runner: SegmentRunner, carry: CarryStore, iteration: int, groups: list[GroupState]
     ) -> None:
         self._runner, self._carry, self._iteration, self._groups = runner, carry, iteration, groups
+        # When each segment left running answers: the engines were busy
+        # until the last answer, which can come long before the stop.
+        self._held, self._answered = len(runner.flights), []
+        for ref in runner.flights:
+            ref.future().add_done_callback(lambda _: self._answered.append(time.monotonic()))
 
-    def stop(self) -> bool:
-        """Abort what runs and rewrite the carry; True when a segment was
-        still generating (the engines were busy until now)."""
+    def stop(self) -> float | None:
+        """Abort what runs and rewrite the carry. Returns until when the
+        engines were busy with what was left running (`time.monotonic`): now
+        when a segment was still generating, else when the last one
+        answered; None when nothing was left running."""
         runner, carry, self._runner = self._runner, self._carry, None
         if runner is None or carry is None:
-            return False
+            return None
         busy = runner.running()
+        answered = list(self._answered)
         runner.finish()
         carry.write(self._iteration, self._groups)
-        return busy
+        if busy or len(answered) < self._held:  # (an answer's callback not run yet)
+            return time.monotonic()
+        return max(answered, default=None)
 
 
 class CarryStore:

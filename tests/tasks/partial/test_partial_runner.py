@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import ray
@@ -19,6 +20,7 @@ from engines import create_vllm_engines, destroy_engines
 from engines.sampling import SamplingParams
 from tasks.partial.runner import SegmentRunner
 from tasks.partial.segments import GroupState, SampleState
+from tasks.partial.task import CarryStore, LeftRunning
 from tasks.run.pool import EnginePool
 from tasks.run.records import rows_for
 
@@ -159,6 +161,47 @@ def test_kept_running_the_rest_generates_until_finish_then_stops_with_its_tokens
     # Nothing of it runs on: both engines are free.
     for engine in pool.engines:
         assert ray.get(engine.get_num_unfinished_requests.remote(), timeout=30) == 0
+
+
+def test_kept_running_a_batch_complete_from_the_carry_still_sends_the_rest(pool):
+    """Carried complete groups can fill the batch before anything is sent:
+    kept running, the rest still generates while the policy trains (else the
+    engines idle through the step); not kept running, nothing is sent."""
+    long_group, short_group = groups()
+    for sample in short_group.samples:
+        sample.finish_reason = "length"  # complete, as carried from the step before
+    kept = runner(pool)
+    assert kept.run([short_group, long_group], keep_running=True) == [short_group]
+    assert kept.counts.sent == 1 and kept.running()
+    kept.finish()
+    assert kept.counts.aborted == 2 and not long_group.complete
+    stopped = runner(pool)
+    assert stopped.run([short_group, groups()[0]]) == [short_group]
+    assert stopped.counts.sent == 0 and not stopped.flights
+
+
+def test_left_running_reports_the_engines_busy_until_its_last_answer(pool, tmp_path):
+    """The flow counts the engines idle from what `LeftRunning.stop` returns:
+    now while a segment still generates, else the time of the last answer
+    (not the generation task's end, not the stop)."""
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    left = LeftRunning()
+    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
+    wait_until(lambda: not kept.running(), 120, "the long group to finish")
+    wait_until(lambda: left._answered, 30, "the answer's callback")
+    before = time.monotonic()
+    until = left.stop()
+    assert until is not None and until <= before and long_group.complete
+    # Still generating at the stop: busy until the stop.
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
+    before = time.monotonic()
+    assert left.stop() >= before and not long_group.complete
+    assert LeftRunning().stop() is None
 
 
 def test_kept_running_past_the_request_deadline_still_stops_with_its_tokens(pool):
