@@ -116,13 +116,7 @@ def run_iterations(
     while not pipeline.done:
         now = time.monotonic()
         if pipeline.should_sync():
-            if left:
-                # Idle from the last answer of what was left running, not
-                # from the generation task's end (nor from the stop).
-                busy_until = left[0].stop()
-                now = time.monotonic()
-                if busy_until is not None:
-                    pipeline.engines_busy(busy_until)
+            now = stop_left_running(left, pipeline)
             pipeline.sync_started(now)
             made_by = pipeline.trained - 1
             connect = link.handle is None
@@ -156,6 +150,15 @@ def run_iterations(
             link.handle = policy
         ledger.close_iterations(pipeline)
     return pipeline.startup_wait_s
+
+
+def stop_left_running(left: tuple[LeftRunning, ...], pipeline: Pipeline) -> float:
+    """Before a sync: stop what `partial` left generating beside the policy
+    step. The engines were busy until its last answer, not until the
+    generation task's end (nor the stop). Returns the time after the stop."""
+    if left and (busy_until := left[0].stop()) is not None:
+        pipeline.engines_busy(busy_until)
+    return time.monotonic()
 
 
 def sync_finished(

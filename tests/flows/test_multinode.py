@@ -178,11 +178,19 @@ def test_worker_node_lost_mid_generation(driver, tiny_model, tmp_path):
     killed: list[str] = []
 
     def kill_engines_node():
-        wait_until(lambda: written_shards(tmp_path), 240, "the first shard")
-        (run_dir,) = run_dirs(tmp_path)
-        alive = [a for a in run_actors(run_dir.name) if a["State"] == "ALIVE"]
+        # The engines' node is looked up before their first shard, so the
+        # kill follows it at once. With 40 tokens a sample the whole
+        # generation took about 1.5 s on an idle box and ended before the
+        # kill reached the engines: the run needs long_run's length.
+        (run_dir,) = wait_until(lambda: run_dirs(tmp_path), 240, "the run's directory")
+        alive = wait_until(
+            lambda: [a for a in run_actors(run_dir.name) if a["State"] == "ALIVE"],
+            240,
+            "the run's engines",
+        )
         (node_id,) = {actor["Address"]["NodeID"] for actor in alive}
         (name,) = [n for n, node in driver.nodes.items() if node.node_id == node_id]
+        wait_until(lambda: written_shards(tmp_path), 240, "the first shard")
         driver.kill(name)
         killed.append(name)
 
@@ -194,7 +202,7 @@ def test_worker_node_lost_mid_generation(driver, tiny_model, tmp_path):
     killer = threading.Thread(target=kill_engines_node, daemon=True)
     killer.start()
     state = rollout(
-        run_params(**long_run(tiny_model, tmp_path, address=driver.address, max_tokens=40)),
+        run_params(**long_run(tiny_model, tmp_path, address=driver.address)),
         return_state=True,
     )
     killer.join(timeout=30)
