@@ -99,13 +99,6 @@ class SegmentRunner:
             self.finish()
         return self.completed
 
-    def running(self) -> bool:
-        """Whether a segment is still generating (not yet answered)."""
-        if not self.flights:
-            return False
-        ready, _ = ray.wait(list(self.flights), num_returns=len(self.flights), timeout=0)
-        return len(ready) < len(self.flights)
-
     def abandon(self) -> None:
         """Cancel what runs, its tokens lost (an error, the flow stopped)."""
         cancel(list(self.flights))

@@ -87,6 +87,9 @@ class LeftRunning:
         self._carry: CarryStore | None = None
         self._iteration = 0
         self._groups: list[GroupState] = []
+        # The segments held, and when each answered (a Ray callback appends).
+        self._held = 0
+        self._answered: list[float] = []
 
     def hold(
         self, runner: SegmentRunner, carry: CarryStore, iteration: int, groups: list[GroupState]
@@ -106,11 +109,12 @@ class LeftRunning:
         runner, carry, self._runner = self._runner, self._carry, None
         if runner is None or carry is None:
             return None
-        busy = runner.running()
+        # A segment whose answer is not in yet (or whose callback has not
+        # run) still generated: busy until now.
         answered = list(self._answered)
         runner.finish()
         carry.write(self._iteration, self._groups)
-        if busy or len(answered) < self._held:  # (an answer's callback not run yet)
+        if len(answered) < self._held:
             return time.monotonic()
         return max(answered, default=None)
 
