@@ -177,17 +177,19 @@ class OneCall:
     committed: bool
     call_s: float
     probe: ProbeResult | None = None  # the commit's, when `committed`
-    #: When the engine actor took the call and answered it (time.monotonic()).
-    actor_at: tuple[float, float] = (0.0, 0.0)
+    #: When the engine actor took the call, had its workers' answers to the
+    #: receive, and answered (time.monotonic()).
+    actor_at: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def times(self) -> dict[str, float]:
-        actor_in, actor_out = self.actor_at
+        actor_in, received, actor_out = self.actor_at
         return {
             **self.begun.times,
             **self.received.times,
             "call_s": self.call_s,
             "actor_in_at": actor_in,
+            "received_at": received,
             "actor_out_at": actor_out,
         }
 

@@ -240,6 +240,7 @@ class WeightSync(SessionAbort):
         )
         try:
             received = await method(self, *args)
+            received_at = time.monotonic()
             committed = None
             if commit:
                 committed = await self.finish_weight_sync(version, wake=wake_after, probe=probe)
@@ -250,7 +251,9 @@ class WeightSync(SessionAbort):
             raise
         probed = committed.probe if committed is not None else None
         ended = time.monotonic()
-        return OneCall(begun, received, commit, ended - started, probed, (started, ended))
+        return OneCall(
+            begun, received, commit, ended - started, probed, (started, received_at, ended)
+        )
 
     async def verify_weight_sync(self, version: int, checksums: dict[str, str]) -> int:
         """Compare the checksums of this engine's weights with the trainer's

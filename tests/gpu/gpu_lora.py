@@ -91,6 +91,18 @@ class LoraPolicy(BF16Policy):
         self.weight_version += 1
         return self.weight_version
 
+    def ray_round_trips_ms(self, engine: Any, calls: int) -> list[float]:
+        """Milliseconds of `calls` calls to the engine actor that do nothing
+        (`base_health`), from here: what a sync's two Ray hops cost at least."""
+        import ray
+
+        seconds = []
+        for _ in range(calls):
+            started = time.monotonic()
+            ray.get(engine.base_health.remote(), timeout=TIMEOUT_S)
+            seconds.append((time.monotonic() - started) * 1e3)
+        return seconds
+
     def sync_adapter_with_vllm_api(self, engines: list[Any]) -> float:
         """Sync the adapter as a trainer written to vLLM 0.26's docs does (its
         client and IPC trainer code); its API carries tensors only, so lora_B
@@ -166,9 +178,10 @@ class AdapterSync:
 def breakdown_ms(report: Any) -> dict[str, float]:
     """Where a CUDA IPC adapter sync's milliseconds went: packing on the
     trainer, the call's way to the engine actor and on to its worker, the
-    worker's load (and its parts: `lora.sender.LOAD_PARTS`), and the way
-    back (the answer through vLLM's engine core, the actor's commit, Ray).
-    Moments are offsets into the sync (`Phases.engines_reported`)."""
+    worker's load (the copy queued; its parts: `lora.sender.LOAD_PARTS`),
+    the answer's way back to the actor (through vLLM's engine core), the
+    actor's commit, and Ray's way back to the trainer. Moments are offsets
+    into the sync (`Phases.engines_reported`)."""
     times, pack = report.engine_times, report.phases["pack"]
     parts = {
         "total": report.seconds,
@@ -176,7 +189,9 @@ def breakdown_ms(report: Any) -> dict[str, float]:
         "to_actor": times["actor_in_at"] - pack,
         "to_worker": times["worker_in_at"] - times["actor_in_at"],
         "load": times["load_s"],
-        "back": report.seconds - times["loaded_at"],
+        "to_actor_back": times["received_at"] - times["queued_at"],
+        "commit": times["actor_out_at"] - times["received_at"],
+        "ray_back": report.seconds - times["actor_out_at"],
     }
     parts.update((k.removesuffix("_s"), times[k]) for k in LOAD_PARTS if k in times)
     return {k: round(v * 1e3, 3) for k, v in parts.items()}

@@ -63,6 +63,11 @@ def test_lora_sync_over_cuda_ipc(ray_gpu, gpu_baseline, tmp_path_factory):
         # max_staleness + 1 adapters stay loaded; older ones are gone.
         loaded = ray.get(engines[0].lora_adapters.remote(), timeout=TIMEOUT_S)
         assert loaded == [f"rolloutflow-v{s.served}" for s in syncs[-KEEP:]], loaded
+        trips = ray.get(policy.ray_round_trips_ms.remote(engines[0], 20), timeout=TIMEOUT_S)
+        print(
+            f"a Ray call from the trainer to the engine actor and back, doing nothing: "
+            f"median {statistics.median(trips):.2f} ms of 20 (min {min(trips):.2f})"
+        )
         later = [s.seconds for s in syncs[1:]]
         median = statistics.median(later)
         print(
@@ -72,6 +77,7 @@ def test_lora_sync_over_cuda_ipc(ray_gpu, gpu_baseline, tmp_path_factory):
         if os.environ.get("LORA_SYNC_JSON"):
             figures = {
                 "median_ms": median * 1e3,
+                "ray_round_trip_ms": trips,
                 "target_ms": TARGET_S * 1e3,
                 "syncs": [
                     {"version": s.served, "max_abs": s.max_abs, "mean_abs": s.mean_abs, "ms": parts}

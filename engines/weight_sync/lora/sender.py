@@ -17,6 +17,7 @@ from engines.weight_sync.coordinator import (
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.formats.copy_events import CopyEvents
 from engines.weight_sync.formats import ipc_handles as ipc
 from engines.weight_sync.formats.adapter import VIAS, LoraSync, save_adapter
 from engines.weight_sync.formats.buckets import ALIGN, PackedViews, plan_buckets
@@ -25,7 +26,11 @@ from engines.weight_sync.protocol import SenderOptions, SyncReport
 
 #: The parts of a worker's `load_s` its answer times (`lora.worker.worker_load`,
 #: `AdapterStore.times`), carried into the report's `engine_times`.
-LOAD_PARTS = ("check_s", "remove_s", "refill_s", "build_s", "add_s", "gpu_wait_s")
+LOAD_PARTS = ("check_s", "remove_s", "refill_s", "build_s", "add_s")
+#: The moments a CUDA IPC sync's answer carries (`Phases.engines_reported`):
+#: the call into the engine actor, its worker, the copy queued, the actor's
+#: receive and commit done.
+STAMPS = ("actor_in_at", "worker_in_at", "queued_at", "received_at", "actor_out_at")
 #: The trainer's full-weight transport -> how its adapter travels instead.
 VIA_OF_TRANSPORT = {"cuda_ipc": "cuda_ipc", "checkpoint": "checkpoint", "broadcast": "inline"}
 
@@ -51,6 +56,10 @@ class LoraSender:
         self._packed: tuple[Any, PackedViews] | None = None
         self._mapping: str | None = None
         self._mapped = False
+        # The engines' copies out of the buffer, still to be waited on before
+        # it is written again (their answers come with the copies queued).
+        self._copies: list[bytes] = []
+        self._copy_events = CopyEvents()
 
     def init(self, engines: list[Any]) -> None:
         if not engines:
@@ -62,13 +71,23 @@ class LoraSender:
         return {"lora": self.lora.spec.plain(), "keep": self.lora.keep, "via": self.via}
 
     def close(self) -> None:
+        self._copies_read()
         if self.engines and self._mapped:
             from engines.client import call_engines
 
             call_engines(self.engines, "release_lora_buffer", timeout_s=self.config.timeout_s)
         self._packed = self._mapping = None
         self._mapped = False
+        self._copy_events.clear()
         self.engines = []
+
+    def _copies_read(self) -> None:
+        """Wait until the engines have copied the buffer out (at the next
+        sync this is long done: the wait is one query per engine)."""
+        if self._copies and self._packed is not None:
+            device = self._packed[1].buffer.device
+            copies, self._copies = self._copies, []
+            self._copy_events.wait(copies, device, self.config.timeout_s)
 
     def _payload(self, weights: list[tuple[str, Any]], version: int, manifest: Any) -> Any:
         if self.via == "inline":
@@ -92,6 +111,7 @@ class LoraSender:
 
         if not all(t.is_cuda for _, t in weights):
             raise ValueError("CUDA IPC sends an adapter on a GPU")
+        self._copies_read()  # before the buffer is written again, or dropped
         if self._packed is None or self._packed[0] is not manifest:
             room = manifest.nbytes + ALIGN * len(manifest.params)  # one bucket
             (bucket,) = plan_buckets(manifest, room).buckets
@@ -135,8 +155,9 @@ class LoraSender:
             wake_after=["kv_cache"] if wake else None,
         )
         self._mapped = self.via == "cuda_ipc"
+        self._copies = [h for answer in received for h in answer.received.copies_done or ()]
         # Moments compare clocks: only colocated engines (CUDA IPC) share the trainer's.
-        stamps = ("actor_in_at", "worker_in_at", "loaded_at", "actor_out_at") if wake else ()
+        stamps = STAMPS if wake else ()
         phases.engines_reported(received, "pause_s", "open_s", "load_s", "call_s", *stamps)
         phases.engines_reported(received, *LOAD_PARTS)
         phases.done("transfer")

@@ -15,6 +15,7 @@ from engines.weight_sync.formats.adapter import (
     received_tensors,
 )
 from engines.weight_sync.formats.checksum import nbytes_of
+from engines.weight_sync.formats.copy_events import record_copies
 from engines.weight_sync.protocol import WorkerAnswer
 from engines.weight_sync.worker import WorkerWeights
 
@@ -45,9 +46,10 @@ def worker_load(
     open_s: float = 0.0,
 ) -> dict:
     """Build the adapter of `version` from `tensors` (owned by this worker,
-    or the trainer's mapped buffer, which the store copies) and register it;
-    remove the versions in `remove`. A bad adapter (a target module the model
-    has not, too many adapters) changes nothing and is answered as problems.
+    or the trainer's mapped buffer, which the store copies: then the answer
+    carries the copy's event, `copies_done`) and register it; remove the
+    versions in `remove`. A bad adapter (a target module the model has not,
+    too many adapters) changes nothing and is answered as problems.
     `times`: seconds, and `*_at` moments (monotonic, one clock for every
     process of the host) the trainer turns into offsets into its sync."""
     opened = time.monotonic()
@@ -60,19 +62,19 @@ def worker_load(
         return WorkerAnswer(problems=problems, holds_sync_state=False).plain()
     checked_at = time.monotonic()
     store.load(version, checked, tensors, remove)
-    stored = time.monotonic()
-    if worker.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(worker.device)  # the copy out of the trainer's buffer is done
-    nbytes = tensors.nbytes if packed else sum(nbytes_of(t) for t in tensors.values())
-    done = time.monotonic()
-    # load_s, in parts: the checks, the store's own (`AdapterStore.times`),
-    # and the wait for the GPU's copies.
-    times = {"open_s": open_s, "load_s": done - opened, "check_s": checked_at - opened}
-    times.update(store.times, gpu_wait_s=done - stored)
-    times.update(worker_in_at=opened - open_s, loaded_at=done)
-    return WorkerAnswer(bytes=nbytes, holds_sync_state=False, times=times).plain()
+    answer = WorkerAnswer(
+        bytes=tensors.nbytes if packed else sum(nbytes_of(t) for t in tensors.values()),
+        holds_sync_state=False,
+    )
+    if packed and worker.device.type == "cuda":
+        # The copy out of the trainer's buffer is queued: answer now with its
+        # event, which the trainer waits on before it packs that buffer again.
+        answer.copies_done = record_copies(worker.held, "lora_ipc_event")
+    queued = time.monotonic()
+    # load_s, in parts: the checks and the store's own (`AdapterStore.times`).
+    answer.times = {"open_s": open_s, "load_s": queued - opened, "check_s": checked_at - opened}
+    answer.times.update(store.times, worker_in_at=opened - open_s, queued_at=queued)
+    return answer.plain()
 
 
 def worker_release_buffer(worker: WorkerWeights) -> None:

@@ -7,10 +7,8 @@ No buffer and no packing: the engines open the trainer's own tensors by
 Tensors seen at the same addresses in two syncs in a row are the trainer's
 parameters (updated in place): the engines keep them mapped, later syncs send
 no handles, and the engines replay their copies as one CUDA graph. Then a
-worker records an interprocess CUDA event after queueing its copies and
-answers at once; the trainer waits on that event (`CopyEvents`), so the
-answer's way back (through vLLM's engine core and Ray) overlaps the copies
-instead of following them.
+worker answers with its copies queued and the trainer waits on their
+event (`formats/copy_events.py`).
 
 Trainer: `CudaIpcSender`. Engine actor: `receive_shared_weights`,
 `release_shared_weights`. Worker: the same names.
@@ -35,6 +33,7 @@ from engines.weight_sync.coordinator import (
 )
 from engines.weight_sync.errors import WeightSyncError, WeightTransferError
 from engines.weight_sync.formats.checksum import nbytes_of
+from engines.weight_sync.formats.copy_events import CopyEvents, record_copies
 from engines.weight_sync.formats.ipc_handles import dumps, loads, open_announced, share
 from engines.weight_sync.formats.manifest import ParamSpec, dtype_name
 from engines.weight_sync.probe import ProbeReference
@@ -52,51 +51,6 @@ logger = logging.getLogger(__name__)
 
 #: The moments a sync's answer carries (`Phases.engines_reported`).
 STAMPS = ("actor_in_at", "worker_in_at", "queued_at", "actor_out_at")
-
-
-def copy_event() -> Any:
-    """A CUDA event other processes can open by its handle (`CopyEvents`)."""
-    import torch
-
-    return torch.cuda.Event(interprocess=True)
-
-
-class CopyEvents:
-    """The trainer's side: the workers' copy events, opened once each, waited on."""
-
-    def __init__(self) -> None:
-        self._opened: dict[bytes, Any] = {}
-
-    def wait(self, handles: list[bytes], device: Any, timeout_s: float) -> None:
-        """Return once every event has completed; WeightTransferError after `timeout_s`."""
-        import torch
-
-        deadline = time.monotonic() + timeout_s
-        for handle in handles:
-            event = self._opened.get(handle)
-            if event is None:
-                event = _cuda(torch.cuda.Event.from_ipc_handle, device, handle)
-                self._opened[handle] = event
-            # Polled: Event.synchronize() has no deadline, and a worker that
-            # dies mid-copy must not hang the trainer. The poll lasts at most
-            # the copies' few milliseconds.
-            while not _cuda(event.query):
-                if time.monotonic() > deadline:
-                    raise WeightTransferError(
-                        f"the engines' copies of the shared weights did not finish "
-                        f"within {timeout_s:g}s"
-                    )
-                time.sleep(0)
-
-    def clear(self) -> None:
-        self._opened.clear()
-
-
-def _cuda(call: Any, *args: Any) -> Any:
-    try:
-        return call(*args)
-    except RuntimeError as exc:  # CUDA's own: a bad handle, a lost context
-        raise WeightTransferError(f"waiting for an engine's copies failed: {exc}") from exc
 
 
 # --- trainer side --------------------------------------------------------------------------
@@ -299,11 +253,7 @@ def worker_receive_shared(
         # Forward passes run on this thread's stream too, after the copies
         # queued here, so no request can read a half-copied weight. The
         # tensors stay mapped (`keep`) while the GPU still reads them.
-        event = worker.held.get("cuda_ipc_event")
-        if event is None:
-            event = worker.held["cuda_ipc_event"] = copy_event()
-        event.record()
-        answer.copies_done = bytes(event.ipc_handle())
+        answer.copies_done = record_copies(worker.held, "cuda_ipc_event")
     else:
         # The trainer writes these tensors again (or frees them) once we return.
         torch.cuda.synchronize(worker.device)

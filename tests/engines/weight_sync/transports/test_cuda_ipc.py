@@ -7,6 +7,7 @@ import pytest
 from fake_engine import FakeEngine, model, run
 
 from engines.weight_sync.errors import WeightTransferError
+from engines.weight_sync.formats.copy_events import CopyEvents
 from engines.weight_sync.protocol import WorkerAnswer
 from engines.weight_sync.transports import cuda_ipc
 
@@ -24,8 +25,8 @@ class FakeCopyEvent:
         return self.pending < 0
 
 
-def copy_events(**opened: FakeCopyEvent) -> cuda_ipc.CopyEvents:
-    events = cuda_ipc.CopyEvents()
+def copy_events(**opened: FakeCopyEvent) -> CopyEvents:
+    events = CopyEvents()
     # Stands in for events opened by handle (that needs CUDA).
     events._opened.update({name.encode(): event for name, event in opened.items()})
     return events
