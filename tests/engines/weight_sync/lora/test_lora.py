@@ -80,6 +80,33 @@ def test_old_adapters_go_once_outside_the_window_and_idle():
     assert versions.to_remove(4, keep=3, served=3) == [1]
 
 
+class CopiesWaitedOn:
+    """Stands in for `CopyEvents` (opening a CUDA event needs a GPU)."""
+
+    def __init__(self) -> None:
+        self.waited: list[list[bytes]] = []
+
+    def wait(self, handles: list[bytes], device, timeout_s: float) -> None:
+        self.waited.append(list(handles))
+
+    def clear(self) -> None:
+        pass
+
+
+def test_the_trainer_frees_its_packed_buffer_only_once_the_engines_copied_it():
+    # Over CUDA IPC the engines answer with their copy out of the trainer's
+    # buffer queued; the buffer must outlive that copy.
+    sender = LoraSender("cuda_ipc", LoraSync(LoraSpec(4, 8.0, ("q_proj",))), SyncConfig())
+    events = sender._copy_events = CopiesWaitedOn()
+    sender._packed = (None, type("Packed", (), {"buffer": torch.zeros(1)})())
+    sender._copies = [b"event-of-engine-0", b"event-of-engine-1"]
+    sender.close()
+    assert events.waited == [[b"event-of-engine-0", b"event-of-engine-1"]]
+    assert sender._packed is None
+    sender.close()  # nothing left to wait on
+    assert len(events.waited) == 1
+
+
 def test_an_adapter_directory_is_peft_s_own(tiny_model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
