@@ -204,6 +204,7 @@ def child_ours(args) -> dict:
         "ray_init_s": ray_s,
         "phases": phases,
         "vllm_phases": {p.name: p.seconds for p in report.vllm_phases},
+        "fork_wait_s": report.fork_wait_s,
         "first_request_s": first - ready,
     }
 
@@ -382,6 +383,9 @@ def print_state(state: str, runs: dict[str, list[dict]]) -> float | None:
             print(f"   {name:62}{seconds:>8.2f}")
         for name, seconds in r.get("vllm_phases", {}).items():
             print(f"     vLLM: {name:56}{seconds:>8.2f}")
+        if r.get("fork_wait_s") is not None:  # inside the engine's phase too
+            label = "its core forked, after the forkserver imported"
+            print(f"     {label:62}{r['fork_wait_s']:>8.2f}")
         print(f"   {'first request':62}{r['first_request_s']:>8.2f}")
     return ratio
 

@@ -46,6 +46,9 @@ class StartupReport:
     #: vLLM's own split (weights, torch.compile, CUDA graphs, ...), read from
     #: its log lines; these overlap the actor's "engine" phase.
     vllm_phases: tuple[Phase, ...] = field(default_factory=tuple)
+    #: Seconds the engine core's fork waited for the forkserver's imports
+    #: (`engines.vllm.forkserver.fork_waits`), inside the "engine" phase.
+    fork_wait_s: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -67,7 +70,11 @@ class StartupClock:
         self.last = now
 
     def report(
-        self, engine: str, backend: str, vllm_phases: tuple[Phase, ...] = ()
+        self,
+        engine: str,
+        backend: str,
+        vllm_phases: tuple[Phase, ...] = (),
+        fork_wait_s: float | None = None,
     ) -> StartupReport:
         return StartupReport(
             engine=engine,
@@ -76,6 +83,7 @@ class StartupClock:
             ready_at=self.last,
             phases=tuple(self.phases),
             vllm_phases=vllm_phases,
+            fork_wait_s=fork_wait_s,
         )
 
 

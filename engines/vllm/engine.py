@@ -109,7 +109,10 @@ class VLLMEngine(VLLMControl):
             args.distributed_executor_backend,
         )
         clock.mark("after the engine")
-        self.startup = clock.report(config.name, self.backend, vllm_log_phases(log.read()))
+        forked = forkserver.fork_waits[-1] if forkserver.fork_waits else None
+        self.startup = clock.report(
+            config.name, self.backend, vllm_log_phases(log.read()), fork_wait_s=forked
+        )
 
     # --- generation -------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -25,10 +25,17 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import time
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver
 
 _PR_SET_PDEATHSIG = 1
+
+#: Seconds each fork from this process's server took to start. The server
+#: forks only once it has imported its preload, so a long one is the part of
+#: that import the actor's own imports did not hide (the start-up report
+#: shows the last, `StartupReport.fork_wait_s`).
+fork_waits: list[float] = []
 
 
 def start(preload: tuple[str, ...]) -> None:
@@ -45,10 +52,12 @@ class TiedProcess(mp_context.ForkServerProcess):
     that started the server."""
 
     def start(self) -> None:
+        began = time.monotonic()
         forkserver.ensure_running()
         # The parent the child must have (multiprocessing's own record of it).
         self._server_pid = forkserver._forkserver._forkserver_pid
-        super().start()
+        super().start()  # returns with the child's pid, once it is forked
+        fork_waits.append(time.monotonic() - began)
 
     def run(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -17,10 +17,10 @@ from engines.weight_sync.coordinator import (
     trainer_weights,
 )
 from engines.weight_sync.errors import WeightSyncError
-from engines.weight_sync.formats.copy_events import CopyEvents
 from engines.weight_sync.formats import ipc_handles as ipc
 from engines.weight_sync.formats.adapter import VIAS, LoraSync, save_adapter
 from engines.weight_sync.formats.buckets import ALIGN, PackedViews, plan_buckets
+from engines.weight_sync.formats.copy_events import CopyEvents
 from engines.weight_sync.probe import ProbeResult
 from engines.weight_sync.protocol import SenderOptions, SyncReport
 

@@ -1,6 +1,7 @@
 """The engine core's forkserver (engines/vllm/forkserver.py): a forked child finds
-the preloaded modules imported, and dies with the process that started the
-server, even when that process is killed with SIGKILL."""
+the preloaded modules imported, the actor knows how long its fork waited for
+them, and the child dies with the process that started the server, even when
+that process is killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from processes import alive
 from waiting import wait_until
 
-# Stands in for the engine actor: starts the server with a preload, forks a
-# child from it that reports what it sees, then waits to be killed.
+#: How long one preloaded module takes to import.
+SLOW_IMPORT_S = 1.0
+
+# Stands in for the engine actor: starts the server with a preload (one slow
+# to import), forks a child from it that reports what it sees, writes how
+# long that fork waited, then waits to be killed.
 ACTOR = textwrap.dedent(
     """
     import ctypes, json, os, sys, time
@@ -27,7 +33,7 @@ ACTOR = textwrap.dedent(
         seen = {
             "pid": os.getpid(),
             "ppid": os.getppid(),
-            "wave_preloaded": "wave" in sys.modules,
+            "wave_preloaded": "wave" in sys.modules and "slow_import" in sys.modules,
             "pdeathsig": pdeathsig.value,
         }
         with open(path + ".tmp", "w") as f:
@@ -36,8 +42,11 @@ ACTOR = textwrap.dedent(
         time.sleep(600)
 
     if __name__ == "__main__":
-        forkserver.start(("wave",))  # a module nothing else here imports
+        forkserver.start(("wave", "slow_import"))  # modules nothing else here imports
         forkserver.context().Process(target=report, args=(sys.argv[1],)).start()
+        with open(sys.argv[1] + ".waits.tmp", "w") as f:
+            json.dump(forkserver.fork_waits, f)
+        os.rename(sys.argv[1] + ".waits.tmp", sys.argv[1] + ".waits")
         time.sleep(600)
     """
 )
@@ -46,6 +55,7 @@ ACTOR = textwrap.dedent(
 def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):
     script = tmp_path / "actor.py"
     script.write_text(ACTOR)
+    (tmp_path / "slow_import.py").write_text(f"import time\ntime.sleep({SLOW_IMPORT_S})\n")
     out = tmp_path / "child.json"
     actor = subprocess.Popen([sys.executable, str(script), str(out)], cwd=tmp_path)
     try:
@@ -58,6 +68,12 @@ def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):
         assert server != actor.pid, "the child was forked by the actor, not by the server"
         assert seen["wave_preloaded"], "the preload was not imported before the fork"
         assert seen["pdeathsig"] == signal.SIGKILL
+        # The fork came only after the server's preload, the slow import included.
+        waits_file = Path(f"{out}.waits")
+        wait_until(waits_file.exists, timeout_s=30, what="the actor's fork waits")
+        waits = json.loads(waits_file.read_text())
+        # (the actor asked for its fork a moment after the server began)
+        assert len(waits) == 1 and waits[0] >= 0.9 * SLOW_IMPORT_S, waits
         assert alive(seen["pid"]) and alive(server)
         actor.kill()  # SIGKILL: nothing in the actor runs
         actor.wait(timeout=10)

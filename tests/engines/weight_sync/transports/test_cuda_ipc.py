@@ -9,7 +9,6 @@ from fake_engine import FakeEngine, model, run
 from engines.weight_sync.errors import WeightTransferError
 from engines.weight_sync.formats.copy_events import CopyEvents
 from engines.weight_sync.protocol import WorkerAnswer
-from engines.weight_sync.transports import cuda_ipc
 
 
 class FakeCopyEvent:
