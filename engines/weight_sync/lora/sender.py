@@ -4,6 +4,7 @@ bytes (`VIA_OF_TRANSPORT`)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,13 +17,15 @@ from engines.weight_sync.coordinator import (
     as_engine_list,
     trainer_weights,
 )
-from engines.weight_sync.errors import WeightSyncError
+from engines.weight_sync.errors import WeightSyncError, WeightTransferError
 from engines.weight_sync.formats import ipc_handles as ipc
 from engines.weight_sync.formats.adapter import VIAS, LoraSync, save_adapter
 from engines.weight_sync.formats.buckets import ALIGN, PackedViews, plan_buckets
 from engines.weight_sync.formats.copy_events import CopyEvents
 from engines.weight_sync.probe import ProbeResult
 from engines.weight_sync.protocol import SenderOptions, SyncReport
+
+logger = logging.getLogger(__name__)
 
 #: The parts of a worker's `load_s` its answer times (`lora.worker.worker_load`,
 #: `AdapterStore.times`), carried into the report's `engine_times`.
@@ -71,7 +74,11 @@ class LoraSender:
         return {"lora": self.lora.spec.plain(), "keep": self.lora.keep, "via": self.via}
 
     def close(self) -> None:
-        self._copies_read()
+        try:
+            self._copies_read()
+        except WeightTransferError as exc:
+            # An engine that died mid-copy: nothing reads the buffer any more.
+            logger.warning("closing the LoRA sender: %s", exc)
         if self.engines and self._mapped:
             from engines.client import call_engines
 

@@ -21,6 +21,7 @@ from engines.weight_sync import (
     ManifestMismatchError,
     SyncConfig,
     WeightSyncError,
+    WeightTransferError,
 )
 from engines.weight_sync.formats.adapter import save_adapter
 from engines.weight_sync.lora.engine import AdapterVersions
@@ -81,30 +82,48 @@ def test_old_adapters_go_once_outside_the_window_and_idle():
 
 
 class CopiesWaitedOn:
-    """Stands in for `CopyEvents` (opening a CUDA event needs a GPU)."""
+    """Stands in for `CopyEvents` (opening a CUDA event needs a GPU); with
+    `error`, the wait fails as CUDA's would for an engine gone mid-copy."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: Exception | None = None) -> None:
         self.waited: list[list[bytes]] = []
+        self.error = error
 
     def wait(self, handles: list[bytes], device, timeout_s: float) -> None:
         self.waited.append(list(handles))
+        if self.error is not None:
+            raise self.error
 
     def clear(self) -> None:
         pass
 
 
+def sender_with_copies_pending(events: CopiesWaitedOn) -> LoraSender:
+    sender = LoraSender("cuda_ipc", LoraSync(LoraSpec(4, 8.0, ("q_proj",))), SyncConfig())
+    sender._copy_events = events
+    sender._packed = (None, type("Packed", (), {"buffer": torch.zeros(1)})())
+    sender._copies = [b"event-of-engine-0", b"event-of-engine-1"]
+    return sender
+
+
 def test_the_trainer_frees_its_packed_buffer_only_once_the_engines_copied_it():
     # Over CUDA IPC the engines answer with their copy out of the trainer's
     # buffer queued; the buffer must outlive that copy.
-    sender = LoraSender("cuda_ipc", LoraSync(LoraSpec(4, 8.0, ("q_proj",))), SyncConfig())
-    events = sender._copy_events = CopiesWaitedOn()
-    sender._packed = (None, type("Packed", (), {"buffer": torch.zeros(1)})())
-    sender._copies = [b"event-of-engine-0", b"event-of-engine-1"]
+    events = CopiesWaitedOn()
+    sender = sender_with_copies_pending(events)
     sender.close()
     assert events.waited == [[b"event-of-engine-0", b"event-of-engine-1"]]
     assert sender._packed is None
     sender.close()  # nothing left to wait on
     assert len(events.waited) == 1
+
+
+def test_closing_after_an_engine_died_mid_copy_still_lets_everything_go(caplog):
+    error = WeightTransferError("waiting for an engine's copies failed: CUDA error")
+    sender = sender_with_copies_pending(CopiesWaitedOn(error))
+    sender.close()
+    assert sender._packed is None and sender.engines == []
+    assert "copies failed: CUDA error" in caplog.text
 
 
 def test_an_adapter_directory_is_peft_s_own(tiny_model, tmp_path):
