@@ -24,8 +24,12 @@ from tasks.partial.task import CarryStore, LeftRunning
 from tasks.run.pool import EnginePool
 from tasks.run.records import rows_for
 
-MAX_LEN = 512
+MAX_LEN = 2048
 LONG, SHORT = 400, 8
+#: A long group's budget for a test that kills its engine mid-generation:
+#: about 3 s of the tiny model's decoding on the CPU box, where LONG's took
+#: 0.6 s after the batch completed, a window a kill on a busy box can miss.
+KILLED_LONG = MAX_LEN - 64
 SAMPLING = SamplingParams(n=2, temperature=1.0, ignore_eos=True, logprobs=0, max_tokens=LONG)
 TEXTS = ["Write lowercase letters after abc", "Write lowercase letters after xyz"]
 
@@ -38,11 +42,11 @@ def pool(ray_local, tiny_model):
     destroy_engines(engines)
 
 
-def groups() -> list[GroupState]:
+def groups(long: int = LONG) -> list[GroupState]:
     """A long group and a short one: the short completes the batch of one."""
     return [
         GroupState(0, slot, slot, 100 + slot, [SampleState(k, budget) for k in range(2)])
-        for slot, budget in ((0, LONG), (1, SHORT))
+        for slot, budget in ((0, long), (1, SHORT))
     ]
 
 
@@ -231,7 +235,7 @@ def test_an_engine_killed_while_kept_running_is_dropped_from_the_stop(pool):
     pauses the survivor only, marks the dead engine failed (the sync then
     replaces it), and its samples stay unfinished, with their tokens before
     the lost segment, to resume elsewhere."""
-    long_group, short_group = groups()
+    long_group, short_group = groups(long=KILLED_LONG)
     kept = runner(pool)
     assert kept.run([long_group, short_group], keep_running=True) == [short_group]
     (dead,) = {flight.engine for flight in kept.flights.values()}
