@@ -3,7 +3,8 @@ weight version, and every (group, sample) written once. The rows' versions
 are those the engines reported (tasks/partial/segments.py copies them: the CPU
 engine's per token, vLLM's per segment); this checks they fit the run:
 one per token, never decreasing, within the run's bound of the iteration,
-and listed in the row's `weight_versions`."""
+and listed in the row's `weight_versions`. Also the reward of the rows an
+iteration's own version sampled wholly (`newest_version_reward`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,30 @@ class RowChecks:
     @property
     def ok(self) -> bool:
         return not (self.bad_versions or self.duplicates or self.short_iterations)
+
+
+@dataclass(frozen=True)
+class NewestReward:
+    """The mean reward of an iteration's rows whose every token its own
+    version sampled, and how many rows that is of how many."""
+
+    reward: float | None
+    rows: int
+    of: int
+
+
+def newest_version_reward(run_dir: Path, iteration: int) -> NewestReward:
+    """Iteration `iteration` samples on version `iteration`. Under `sync`
+    each of its rows is wholly that version's; under `partial` only the
+    groups begun and done within it are, while carried rows began under
+    older versions. So a partial batch's mean reward is partly an older
+    policy's, and this is the reward of the policy after `iteration` steps
+    that both schedules share (biased toward short rows under `partial`)."""
+    rows = read_rows(run_dir / f"iter-{iteration:03d}")
+    newest = [r["reward"] for r in rows if set(r["token_versions"]) == {iteration}]
+    scored = [reward for reward in newest if reward is not None]
+    reward = sum(scored) / len(scored) if scored else None
+    return NewestReward(reward, len(newest), len(rows))
 
 
 def check_rows(run_dir: Path, iterations: int, rows_per_iteration: int, bound: int) -> RowChecks:

@@ -181,7 +181,7 @@ def params_for(
 
 
 def run_one(params, schedule: str) -> dict:
-    from benchmarks.row_checks import check_rows
+    from benchmarks.row_checks import check_rows, newest_version_reward
     from flows.rollout import rollout
 
     state = rollout(params, return_state=True)
@@ -201,6 +201,7 @@ def run_one(params, schedule: str) -> dict:
         batch * params.sampling.n,
         params.training.staleness_bound,
     )
+    newest = newest_version_reward(Path(summary.output_dir), len(rows) - 1)
     return {
         "checks": asdict(checks) | {"ok": checks.ok},
         "schedule": schedule,
@@ -210,6 +211,10 @@ def run_one(params, schedule: str) -> dict:
         "steps_per_hour": len(rows) * 3600 / summary.iterations_seconds,
         "reward_first": rows[0].mean_reward,
         "reward_last": rows[-1].mean_reward,
+        # The last batch's rows its own version sampled wholly (partial's
+        # carried rows began under older ones): `row_checks.newest_version_reward`.
+        "reward_last_newest": newest.reward,
+        "rows_last_newest": [newest.rows, newest.of],
         "staleness_max": max(row.staleness_max for row in rows),
         # The training work done: a step skips samples whose group agreed, so
         # a schedule whose rows lag learns from more of them per step.
@@ -365,6 +370,11 @@ def spread(results: list[dict]) -> str | None:
         if r["schedule"] != "sync":
             inside = "within" if low <= r["reward_last"] <= high else "outside"
             lines.append(f"{r['schedule']}: {r['reward_last']:.3f} ({inside} sync's spread)")
+    lines.append("the same, on the last batch's rows its own version sampled wholly:")
+    for r in results:
+        newest, (count, of) = r["reward_last_newest"], r["rows_last_newest"]
+        shown = "-" if newest is None else f"{newest:.3f}"
+        lines.append(f"  {r['schedule']} seed {r['seed']}: {shown} ({count} of {of} rows)")
     return "\n".join(lines)
 
 
