@@ -33,11 +33,13 @@ class RowChecks:
 @dataclass(frozen=True)
 class NewestReward:
     """The mean reward of an iteration's rows whose every token its own
-    version sampled, and how many rows that is of how many."""
+    version sampled, how many rows that is of how many, and their prompts
+    (to hold `sync`'s rows of the same prompts against them)."""
 
     reward: float | None
     rows: int
     of: int
+    prompts: tuple[str, ...]
 
 
 def newest_version_reward(run_dir: Path, iteration: int) -> NewestReward:
@@ -48,10 +50,21 @@ def newest_version_reward(run_dir: Path, iteration: int) -> NewestReward:
     policy's, and this is the reward of the policy after `iteration` steps
     that both schedules share (biased toward short rows under `partial`)."""
     rows = read_rows(run_dir / f"iter-{iteration:03d}")
-    newest = [r["reward"] for r in rows if set(r["token_versions"]) == {iteration}]
-    scored = [reward for reward in newest if reward is not None]
+    newest = [r for r in rows if set(r["token_versions"]) == {iteration}]
+    scored = [r["reward"] for r in newest if r["reward"] is not None]
     reward = sum(scored) / len(scored) if scored else None
-    return NewestReward(reward, len(newest), len(rows))
+    return NewestReward(reward, len(newest), len(rows), tuple(r["prompt"] for r in newest))
+
+
+def reward_on_prompts(run_dir: Path, iteration: int, prompts: list[str]) -> float | None:
+    """The mean reward of iteration `iteration`'s rows of `prompts` (one
+    entry per row wanted: a prompt listed twice weighs twice)."""
+    by_prompt: dict[str, list[float]] = {}
+    for row in read_rows(run_dir / f"iter-{iteration:03d}"):
+        if row["reward"] is not None:
+            by_prompt.setdefault(row["prompt"], []).append(row["reward"])
+    means = [sum(r) / len(r) for p in prompts if (r := by_prompt.get(p))]
+    return sum(means) / len(means) if means else None
 
 
 def check_rows(run_dir: Path, iterations: int, rows_per_iteration: int, bound: int) -> RowChecks:

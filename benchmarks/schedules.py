@@ -215,6 +215,8 @@ def run_one(params, schedule: str) -> dict:
         # carried rows began under older ones): `row_checks.newest_version_reward`.
         "reward_last_newest": newest.reward,
         "rows_last_newest": [newest.rows, newest.of],
+        "prompts_last_newest": list(newest.prompts),
+        "run_dir": str(summary.output_dir),
         "staleness_max": max(row.staleness_max for row in rows),
         # The training work done: a step skips samples whose group agreed, so
         # a schedule whose rows lag learns from more of them per step.
@@ -360,7 +362,10 @@ def runs(args: argparse.Namespace, schedules: list[str]) -> list[tuple[str, int]
 
 def spread(results: list[dict]) -> str | None:
     """Each other schedule's reward after the same steps against the range
-    over the `sync` runs' seeds."""
+    over the `sync` runs' seeds, then on the rows the last version sampled
+    wholly (`row_checks.newest_version_reward`)."""
+    from benchmarks.row_checks import reward_on_prompts
+
     syncs = [r["reward_last"] for r in results if r["schedule"] == "sync"]
     if len(syncs) < 2:
         return None
@@ -371,11 +376,24 @@ def spread(results: list[dict]) -> str | None:
             inside = "within" if low <= r["reward_last"] <= high else "outside"
             lines.append(f"{r['schedule']}: {r['reward_last']:.3f} ({inside} sync's spread)")
     lines.append("the same, on the last batch's rows its own version sampled wholly:")
+    sync_by_seed = {r["seed"]: r for r in results if r["schedule"] == "sync"}
     for r in results:
         newest, (count, of) = r["reward_last_newest"], r["rows_last_newest"]
-        shown = "-" if newest is None else f"{newest:.3f}"
-        lines.append(f"  {r['schedule']} seed {r['seed']}: {shown} ({count} of {of} rows)")
+        line = f"  {r['schedule']} seed {r['seed']}: {fmt(newest)} ({count} of {of} rows)"
+        same_seed = sync_by_seed.get(r["seed"])
+        if r["schedule"] != "sync" and same_seed is not None:
+            # Those rows lean to the short prompts: sync's rows of the same
+            # prompts are the like-for-like figure.
+            matched = reward_on_prompts(
+                Path(same_seed["run_dir"]), same_seed["steps"] - 1, r["prompts_last_newest"]
+            )
+            line += f"; sync seed {r['seed']} on the same prompts: {fmt(matched)}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def fmt(reward: float | None) -> str:
+    return "-" if reward is None else f"{reward:.3f}"
 
 
 def means(results: list[dict]) -> str:

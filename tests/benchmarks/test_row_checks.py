@@ -1,12 +1,13 @@
 """The schedules benchmark's reading of what a run wrote
 (benchmarks/row_checks.py): the reward of the rows an iteration's own
-version sampled wholly, on rows written as the run writes them (JSONL shards)."""
+version sampled wholly, and another run's reward on the same prompts, on
+rows written as the run writes them (JSONL shards)."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.row_checks import newest_version_reward
+from benchmarks.row_checks import newest_version_reward, reward_on_prompts
 
 
 def write_iteration(run_dir, iteration: int, rows: list[dict]) -> None:
@@ -15,23 +16,39 @@ def write_iteration(run_dir, iteration: int, rows: list[dict]) -> None:
     (directory / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def row(prompt: str, versions: list[int], reward: float | None) -> dict:
+    return {"prompt": prompt, "token_versions": versions, "reward": reward}
+
+
 def test_the_newest_reward_leaves_out_rows_begun_under_older_versions(tmp_path):
     write_iteration(
         tmp_path,
         5,
         [
-            {"token_versions": [5, 5, 5], "reward": 0.9},
-            {"token_versions": [5], "reward": 0.7},
-            {"token_versions": [4, 4, 5], "reward": 0.1},  # carried from iteration 4
-            {"token_versions": [3, 4, 5, 5], "reward": 0.2},
+            row("short a", [5, 5, 5], 0.9),
+            row("short b", [5], 0.7),
+            row("long", [4, 4, 5], 0.1),  # carried from iteration 4
+            row("long", [3, 4, 5, 5], 0.2),
         ],
     )
     newest = newest_version_reward(tmp_path, 5)
     assert (newest.rows, newest.of) == (2, 4)
     assert abs(newest.reward - 0.8) < 1e-12
+    assert newest.prompts == ("short a", "short b")
 
 
 def test_no_row_wholly_of_the_newest_version_has_no_reward(tmp_path):
-    write_iteration(tmp_path, 2, [{"token_versions": [1, 2], "reward": 0.5}])
+    write_iteration(tmp_path, 2, [row("p", [1, 2], 0.5)])
     newest = newest_version_reward(tmp_path, 2)
     assert newest.reward is None and (newest.rows, newest.of) == (0, 1)
+
+
+def test_another_run_is_read_on_the_same_prompts_each_as_often(tmp_path):
+    write_iteration(
+        tmp_path,
+        1,
+        [row("a", [1], 1.0), row("a", [1], 0.5), row("b", [1], 0.0), row("c", [1], None)],
+    )
+    # a's rows average 0.75; b counts twice; c has no reward; d is not there.
+    assert reward_on_prompts(tmp_path, 1, ["a", "b", "b", "c", "d"]) == (0.75 + 0 + 0) / 3
+    assert reward_on_prompts(tmp_path, 1, ["d"]) is None
