@@ -52,8 +52,8 @@ class CopyEvents:
             while not _cuda(event.query):
                 if time.monotonic() > deadline:
                     raise WeightTransferError(
-                        f"the engines' copies of the shared weights did not finish "
-                        f"within {timeout_s:g}s"
+                        f"the engines' copies out of the trainer's memory did not "
+                        f"finish within {timeout_s:g}s"
                     )
                 time.sleep(0)
 
