@@ -19,8 +19,9 @@ times for the reward's spread.
 Per schedule: training steps per hour over the iterations (start-up excluded:
 engines and policy load once per run), the ratio to `sync`, the reward after
 the fixed number of steps, the most stale row, the mean seconds of
-generate / train / sync and of engine and policy idle time per iteration, and
-whether the run's rows pass benchmarks/row_checks.py. `partial_stop`: the
+generate / train / sync, of the rest (`other s`: hand-offs, bookkeeping, the
+stop of what `partial` left running) and of engine and policy idle time per
+iteration, and whether the run's rows pass benchmarks/row_checks.py. `partial_stop`: the
 `partial` schedule with partial_keep_generating off, to compare the two.
 `--gpu-model` builds the GPU tests' 0.28B model (random weights, bf16); the
 policy trains it in float32 on its own GPU and syncs it over NCCL.
@@ -224,6 +225,13 @@ def run_one(params, schedule: str) -> dict:
         "generate_s": mean("generate_seconds"),
         "train_s": mean("train_seconds"),
         "sync_s": mean("sync_seconds"),
+        # The rest of an iteration's wall time: the flow's hand-offs between
+        # its tasks, the tasks' own bookkeeping, and under `partial` the stop
+        # of what was left running (the abort, the carry written again).
+        "other_s": summary.iterations_seconds / len(rows)
+        - mean("generate_seconds")
+        - mean("train_seconds")
+        - mean("sync_seconds"),
         "engine_idle_s": mean("engine_idle_seconds"),
         "policy_idle_s": mean("policy_idle_seconds"),
         # The share of the run's wall time no generation ran.
@@ -237,7 +245,7 @@ def table(results: list[dict]) -> str:
     base = statistics.fmean(syncs) if syncs else results[0]["steps_per_hour"]
     header = (
         f"{'schedule':<12} {'seed':>4} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
-        f"{'trained':>7} {'gen s':>6} {'train s':>7} {'sync s':>6} {'eng idle':>8} "
+        f"{'trained':>7} {'gen s':>6} {'train s':>7} {'sync s':>6} {'other s':>7} {'eng idle':>8} "
         f"{'idle %':>6} {'pol idle':>8} {'rows ok':>7}"
     )
     lines = [header]
@@ -248,6 +256,7 @@ def table(results: list[dict]) -> str:
             f"{r['reward_first']:>5.3f}->{r['reward_last']:<6.3f} {r['staleness_max']:>5} "
             f"{r['trained_samples']:>7} "
             f"{r['generate_s']:>6.2f} {r['train_s']:>7.2f} {r['sync_s']:>6.3f} "
+            f"{r['other_s']:>7.2f} "
             f"{r['engine_idle_s']:>8.2f} {100 * r['engine_idle_fraction']:>5.1f}% "
             f"{r['policy_idle_s']:>8.2f} {'yes' if r['checks']['ok'] else 'NO':>7}"
         )
