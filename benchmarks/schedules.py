@@ -237,6 +237,9 @@ def run_one(params, schedule: str) -> dict:
         # The share of the run's wall time no generation ran.
         "engine_idle_fraction": sum(row.engine_idle_seconds or 0.0 for row in rows)
         / summary.iterations_seconds,
+        # Per iteration, for the JSON: where a mean hides one slow iteration
+        # (the one whose batch held the long samples).
+        "iterations": [asdict(row) for row in rows],
     }
 
 
