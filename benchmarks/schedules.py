@@ -134,8 +134,19 @@ def build_model(args: argparse.Namespace, workdir: Path) -> str:
     if args.model:
         return args.model
     if args.gpu_model:
-        return str(build_tiny_model(workdir / "llama-0.28b", **GPU_MODEL_SHAPE))
+        # The long tail at --scale 1 or 2 runs past the 4,096 positions
+        # the model has by default, and vLLM refuses a longer max_len.
+        positions = max(4096, max_len(args))
+        return str(
+            build_tiny_model(workdir / "llama-0.28b", **GPU_MODEL_SHAPE, max_positions=positions)
+        )
     return str(ensure_tiny_model())
+
+
+def max_len(args: argparse.Namespace) -> int:
+    """A sequence's longest: the prompt (the long tail's are under 64
+    tokens) and its samples' budget."""
+    return max(128, args.max_tokens + 64)
 
 
 def params_for(
@@ -156,7 +167,7 @@ def params_for(
         num_engines=args.num_engines,
         n=args.n,
         max_tokens=args.max_tokens,
-        max_len=max(128, args.max_tokens + 64),
+        max_len=max_len(args),
         iterations=args.steps,
         learning_rate=args.learning_rate,
         seed=seed,

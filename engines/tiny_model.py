@@ -70,10 +70,12 @@ def build_tiny_model(
     kv_heads: int = 2,
     dtype: str = "float32",
     init_std: float = 0.1,
+    max_positions: int = 4096,
 ) -> Path:
     """Write a small random Llama (weights from `seed`) and its tokenizer to
     `path`. The defaults are the tests' tiny model (~115k parameters); the GPU
-    tests use e.g. layers=24, hidden=896, heads=14 (~0.36B)."""
+    tests use e.g. layers=24, hidden=896, heads=14 (~0.36B). `max_positions`:
+    the longest sequence vLLM will take (its `max_model_len` may not pass it)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,7 +88,7 @@ def build_tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
