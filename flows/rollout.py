@@ -12,7 +12,10 @@ beside its engines (flows/side_actors.py) and its summary (flows/summary.py).
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -192,12 +195,34 @@ def start_and_iterate(
     if on_policy and colocate:
         side.start_policy(pool, cluster.backend)
     agent = side.agent_plan(pool)
-    looped = time.monotonic()
-    with RunProgress() as progress:
-        waited = run_iterations(
-            params, run_dir, pool, prompts, progress, side.policy_up, side.scorer, ledger, agent
-        )
-    return time.monotonic() - looped - waited
+    with frozen_heap():
+        looped = time.monotonic()
+        with RunProgress() as progress:
+            waited = run_iterations(
+                params, run_dir, pool, prompts, progress, side.policy_up, side.scorer, ledger, agent
+            )
+        return time.monotonic() - looped - waited
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The iterations with what this process holds by then (the modules of
+    torch, transformers, Prefect and Ray: over half a million objects) out
+    of Python's full collections, as vLLM's engine freezes its own heap
+    (`freeze_gc_heap`): a full collection walks every object with the GIL
+    held, so each stalled the flow's threads (the tasks, the partial
+    runner) for far longer than the garbage of an iteration takes to
+    collect (figures: docs/history/benchmarks-diary.md). Unfrozen after,
+    so a process that runs many flows (a test session) still collects what
+    one run left."""
+    frozen_before = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def manifest(params: RolloutParams, prompts: Prompts, model: str) -> dict:

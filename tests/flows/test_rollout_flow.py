@@ -4,9 +4,11 @@ its refusal of bad input before anything is created."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
+import weakref
 
 import pyarrow.parquet as pq
 import pytest
@@ -27,7 +29,7 @@ from rollout_support import (
 )
 from waiting import wait_until
 
-from flows.rollout import rollout
+from flows.rollout import frozen_heap, rollout
 from tasks.run.prompts import PromptsFileError
 from tasks.run.shards import read_rows
 
@@ -159,3 +161,30 @@ def test_parameters_of_the_flat_shape_name_each_field_s_new_place(tmp_path):
     with pytest.raises(Exception, match="num_engines -> engines.num_engines"):
         rollout(params={"num_engines": 4, "output_dir": str(tmp_path)})
     assert not any(tmp_path.iterdir())
+
+
+def test_the_iterations_run_with_the_heap_frozen_and_unfrozen_after():
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0  # what the process held is out of full collections
+        # The garbage an iteration makes is still collected.
+        made = Cycle()
+        made.itself, gone = made, weakref.ref(made)
+        del made
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0
+
+
+class Cycle:
+    pass
+
+
+def test_a_heap_frozen_before_the_flow_stays_frozen():
+    gc.freeze()
+    try:
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() > 0  # not the flow's to undo
+    finally:
+        gc.unfreeze()
