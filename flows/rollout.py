@@ -214,9 +214,10 @@ def frozen_heap() -> Iterator[None]:
     runner) for far longer than the garbage of an iteration takes to
     collect (figures: docs/history/benchmarks-diary.md). Unfrozen after,
     so a process that runs many flows (a test session) still collects what
-    one run left."""
+    one run left. No collection before the freeze (vLLM's, frozen for its
+    process's life, has one): it would add a full walk to every run's
+    start, and what garbage is frozen is collected once the run unfreezes."""
     frozen_before = gc.get_freeze_count()
-    gc.collect()
     gc.freeze()
     try:
         yield
