@@ -21,8 +21,9 @@ engines and policy load once per run), the ratio to `sync`, the reward after
 the fixed number of steps, the most stale row, the mean seconds of
 generate / train / sync, of the rest (`other s`: hand-offs, bookkeeping, the
 stop of what `partial` left running) and of engine and policy idle time per
-iteration, and whether the run's rows pass benchmarks/row_checks.py. `partial_stop`: the
-`partial` schedule with partial_keep_generating off, to compare the two.
+iteration, and whether the run's rows pass benchmarks/row_checks.py.
+`partial_stop`: the `partial` schedule with partial_keep_generating off, to
+compare the two.
 `--gpu-model` builds the GPU tests' 0.28B model (random weights, bf16); the
 policy trains it in float32 on its own GPU and syncs it over NCCL.
 """
@@ -214,6 +215,11 @@ def run_one(params, schedule: str) -> dict:
         params.training.staleness_bound,
     )
     newest = newest_version_reward(Path(summary.output_dir), len(rows) - 1)
+    phases = {
+        "generate_s": mean("generate_seconds"),
+        "train_s": mean("train_seconds"),
+        "sync_s": mean("sync_seconds"),
+    }
     return {
         "checks": asdict(checks) | {"ok": checks.ok},
         "schedule": schedule,
@@ -233,16 +239,11 @@ def run_one(params, schedule: str) -> dict:
         # The training work done: a step skips samples whose group agreed, so
         # a schedule whose rows lag learns from more of them per step.
         "trained_samples": sum(row.trained_samples for row in rows),
-        "generate_s": mean("generate_seconds"),
-        "train_s": mean("train_seconds"),
-        "sync_s": mean("sync_seconds"),
+        **phases,
         # The rest of an iteration's wall time: the flow's hand-offs between
         # its tasks, the tasks' own bookkeeping, and under `partial` the stop
         # of what was left running (the abort, the carry written again).
-        "other_s": summary.iterations_seconds / len(rows)
-        - mean("generate_seconds")
-        - mean("train_seconds")
-        - mean("sync_seconds"),
+        "other_s": summary.iterations_seconds / len(rows) - sum(phases.values()),
         "engine_idle_s": mean("engine_idle_seconds"),
         "policy_idle_s": mean("policy_idle_seconds"),
         # The share of the run's wall time no generation ran.

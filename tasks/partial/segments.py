@@ -149,9 +149,10 @@ class GroupState:
         )
 
     def to_json(self) -> dict[str, Any]:
-        # Shallow: `asdict` deep-copies every per-token list, which took 150 ms
-        # of host time for a carry of 30k tokens (twice an iteration: written
-        # when the batch is taken and again at the stop); json needs no copy.
+        # Shallow: `asdict` deep-copies every per-token list, on the host's
+        # critical path twice an iteration (the carry is written when the
+        # batch is taken and again at the stop); json needs no copy.
+        # Figures: docs/history/benchmarks-diary.md.
         data = dict(vars(self))
         data["samples"] = [dict(vars(sample)) for sample in self.samples]
         return data

@@ -138,7 +138,8 @@ class PackedAdapter:
         return [e.param.name for e in self.bucket.entries]
 
     # Cached: a worker keeps the mapped adapter across syncs, and summing
-    # 336 entries' sizes in Python took most of a millisecond each sync.
+    # every entry's size in Python each sync was a measurable part of a
+    # LoRA sync (docs/weight_sync.md).
     @functools.cached_property
     def nbytes(self) -> int:
         return sum(e.param.nbytes for e in self.bucket.entries)
