@@ -22,8 +22,9 @@ the fixed number of steps, the most stale row, the mean seconds of
 generate / train / sync, of the rest (`other s`: hand-offs, bookkeeping, the
 stop of what `partial` left running) and of engine and policy idle time per
 iteration, and whether the run's rows pass benchmarks/row_checks.py.
-`partial_stop`: the `partial` schedule with partial_keep_generating off, to
-compare the two.
+`partial_stop`: the `partial` schedule with partial_keep_generating off;
+`partial_next`: with partial_start_next on (the next iteration's groups
+start beside the policy step); to compare them.
 `--gpu-model` builds the GPU tests' 0.28B model (random weights, bf16); the
 policy trains it in float32 on its own GPU and syncs it over NCCL.
 """
@@ -45,10 +46,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-SCHEDULES = ("sync", "overlap", "in_flight", "partial", "partial_stop")
+SCHEDULES = ("sync", "overlap", "in_flight", "partial", "partial_stop", "partial_next")
 #: `partial_stop`: `partial` with partial_keep_generating off (the groups not
 #: taken are aborted when the batch is complete, not at the sync).
-FLOW_SCHEDULE = {"partial_stop": "partial"}
+#: `partial_next`: `partial` with partial_start_next on.
+FLOW_SCHEDULE = {"partial_stop": "partial", "partial_next": "partial"}
 WORKLOADS = ("letter", "long-tail")
 LETTER_REWARD = "training.letter_task:reward"
 #: The GPU tests' model (tests/gpu/gpu_helpers.py).
@@ -182,7 +184,8 @@ def params_for(
     )
     # Each schedule's own knobs only: the run refuses the others (flows/params.py).
     if flow_schedule == "partial":
-        fields["partial_keep_generating"] = schedule == "partial"
+        fields["partial_keep_generating"] = schedule != "partial_stop"
+        fields["partial_start_next"] = schedule == "partial_next"
         fields["partial_in_flight"] = args.partial_in_flight
     else:
         fields["shard_size"] = max(1, args.prompts // (2 * args.num_engines))

@@ -235,6 +235,8 @@ class RolloutEngine(ControlApi, EndpointApi, WeightApi, AgentApi, abc.ABC):
     def check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Per-request validation; raises RequestError, the engine keeps serving."""
         for i, prompt in enumerate(prompts):
+            if not prompt:  # an empty text: nothing to generate from
+                raise RequestError(f"prompt {i} is empty (engine {self.config.name})")
             if len(prompt) >= self.config.max_len:
                 raise PromptTooLongError(
                     f"prompt {i} has {len(prompt)} tokens; max_len={self.config.max_len} "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
 from tasks.generate import generate_rollouts
-from tasks.partial.task import LeftRunning, PartialPlan, generate_partial_rollouts, in_flight_groups
+from tasks.partial.left import LeftRunning
+from tasks.partial.task import PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
 from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
 from tasks.run.pool import EnginePool
@@ -104,52 +107,64 @@ def run_iterations(
     # (an agent run's router then routes to the replacement).
     sync = sync_weights.with_options(retries=params.cluster.engine_retries)
     replace = dict(ready_timeout_s=params.cluster.ready_timeout_s, router=agent and agent.router)
-    # `partial`: what a generation leaves running while the policy trains.
+    with left_running(partial) as left:
+        running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
+        if policy_up is not None:
+            running[policy_up] = ("policy", 0)
+        policy = None  # the handle, once the policy is up
+        # Set once a sync connected the policy: a replacement is synced before it serves.
+        link = PolicyLink()
+        pipeline.start(time.monotonic())
+        while not pipeline.done:
+            now = time.monotonic()
+            if pipeline.should_sync():
+                now = stop_left_running(left, pipeline)
+                pipeline.sync_started(now)
+                made_by = pipeline.trained - 1
+                connect = link.handle is None
+                future = sync.submit(policy, pool, iteration=made_by, connect=connect, **replace)
+                running[future] = ("sync", made_by)
+            if policy is not None and (i := pipeline.next_training()) is not None:
+                pipeline.training_started(i, now)
+                future = train_on_rollouts.submit(policy, ledger.reports[i].directory, iteration=i)
+                running[future] = ("train", i)
+            while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
+                pipeline.generation_started(i, now)
+                plan = iteration_plan(
+                    params, run_dir, i, len(prompts), on_policy=on_policy, agent=agent
+                )
+                bar = progress.iteration(i, len(prompts) * params.sampling.n)
+                future = generate.submit(pool, prompts, plan, bar, link, scorer, *left)
+                running[future] = ("generate", i)
+            future = first_done(list(running))
+            kind, i = running.pop(future)
+            now = time.monotonic()
+            if kind == "policy":
+                policy = future.result()
+                pipeline.policy_up(now)
+            elif kind == "generate":
+                ledger.reports[i] = future.result()
+                pipeline.generation_done(i, now)
+            elif kind == "train":
+                ledger.steps[i] = step = future.result()
+                pipeline.training_done(step.version, now)
+            elif sync_finished(future, i, pipeline, ledger, now):
+                link.handle = policy
+            ledger.close_iterations(pipeline)
+        return pipeline.startup_wait_s
+
+
+@contextmanager
+def left_running(partial: bool) -> Iterator[tuple[LeftRunning, ...]]:
+    """`partial`: what a generation leaves running while the policy trains
+    (none under the other schedules). A run that ends before its stop (a
+    failure) cancels it; after the last sync nothing is held."""
     left = (LeftRunning(),) if partial else ()
-    running: dict[PrefectConcurrentFuture, tuple[str, int]] = {}
-    if policy_up is not None:
-        running[policy_up] = ("policy", 0)
-    policy = None  # the handle, once the policy is up
-    # Set once a sync connected the policy: a replacement is synced before it serves.
-    link = PolicyLink()
-    pipeline.start(time.monotonic())
-    while not pipeline.done:
-        now = time.monotonic()
-        if pipeline.should_sync():
-            now = stop_left_running(left, pipeline)
-            pipeline.sync_started(now)
-            made_by = pipeline.trained - 1
-            connect = link.handle is None
-            future = sync.submit(policy, pool, iteration=made_by, connect=connect, **replace)
-            running[future] = ("sync", made_by)
-        if policy is not None and (i := pipeline.next_training()) is not None:
-            pipeline.training_started(i, now)
-            future = train_on_rollouts.submit(policy, ledger.reports[i].directory, iteration=i)
-            running[future] = ("train", i)
-        while (i := pipeline.next_generation()) is not None:  # in_flight: several at once
-            pipeline.generation_started(i, now)
-            plan = iteration_plan(
-                params, run_dir, i, len(prompts), on_policy=on_policy, agent=agent
-            )
-            bar = progress.iteration(i, len(prompts) * params.sampling.n)
-            future = generate.submit(pool, prompts, plan, bar, link, scorer, *left)
-            running[future] = ("generate", i)
-        future = first_done(list(running))
-        kind, i = running.pop(future)
-        now = time.monotonic()
-        if kind == "policy":
-            policy = future.result()
-            pipeline.policy_up(now)
-        elif kind == "generate":
-            ledger.reports[i] = future.result()
-            pipeline.generation_done(i, now)
-        elif kind == "train":
-            ledger.steps[i] = step = future.result()
-            pipeline.training_done(step.version, now)
-        elif sync_finished(future, i, pipeline, ledger, now):
-            link.handle = policy
-        ledger.close_iterations(pipeline)
-    return pipeline.startup_wait_s
+    try:
+        yield left
+    finally:
+        for held in left:
+            held.abandon()
 
 
 def stop_left_running(left: tuple[LeftRunning, ...], pipeline: Pipeline) -> float:
@@ -219,6 +234,8 @@ def iteration_plan(
         groups,
         max_wait=training.max_staleness,
         keep_generating=training.partial_keep_generating,
+        # The last iteration has no next one to start.
+        start_next=training.partial_start_next and iteration + 1 < training.iterations,
     )
 
 

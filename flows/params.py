@@ -215,6 +215,13 @@ FLAG_PAIRS: tuple[FlagPair, ...] = (
     ),
     FlagPair("partial_in_flight", ONLY_PARTIAL, lambda r: not partial(r)),
     FlagPair("partial_keep_generating", ONLY_PARTIAL, lambda r: not partial(r)),
+    FlagPair("partial_start_next", ONLY_PARTIAL, lambda r: not partial(r)),
+    FlagPair(
+        "partial_start_next",
+        "needs --partial-keep-generating: the next groups start in the places of those "
+        "left generating beside the policy step",
+        lambda r: not r.training.partial_keep_generating,
+    ),
     FlagPair("agent", f"{NOT_IN_PARTIAL} its generation runs no agent sessions", partial),
     FlagPair("agent_func_path", f"{NOT_IN_PARTIAL} its generation runs no agent sessions", partial),
     FlagPair("shard_size", f"{NOT_IN_PARTIAL} an iteration writes its batch as one shard", partial),

@@ -93,6 +93,13 @@ class TrainingParams(BaseModel):
         "the engines do not wait for the step. Off: they are aborted when the batch is "
         "complete, and a colocated policy has the GPU to itself.",
     )
+    partial_start_next: bool = Field(
+        False,
+        description="partial, with partial_keep_generating: while the policy trains, the "
+        "next iteration's groups start in the places of the groups left running that "
+        "complete, on the version served, so the engines keep busy through the step. Their "
+        "oldest tokens are then one version older (a group is due by its oldest token).",
+    )
     weight_sync_probe: bool = Field(
         True,
         description="After each weight sync, every engine compares its logprobs of a fixed "

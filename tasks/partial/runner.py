@@ -146,8 +146,12 @@ class SegmentRunner:
         deadline = time.monotonic() + self.timeout_s
         self.flights[ref] = Segment(group, samples, engine, restarts, deadline)
 
-    def collect_one(self) -> None:
+    def collect_one(self, slice_s: float | None = None) -> bool:
+        """Take the next answer, waiting at most until the first deadline (or
+        `slice_s`); whether one came."""
         wait_s = max(0.0, min(f.deadline for f in self.flights.values()) - time.monotonic())
+        if slice_s is not None:
+            wait_s = min(wait_s, slice_s)
         ready, _ = ray.wait(list(self.flights), num_returns=1, timeout=wait_s)
         for ref in ready:
             flight = self.flights[ref]
@@ -165,6 +169,7 @@ class SegmentRunner:
             name = self.pool.name(flight.engine)
             error = EngineTimeoutError(f"{name} did not answer within {self.timeout_s:g}s", name)
             self.lose_engine(flight.engine, flight.restarts, error)
+        return bool(ready)
 
     def absorb(self, flight: Segment, output: Any) -> None:
         group, unfinished = flight.group, []

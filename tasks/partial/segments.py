@@ -8,16 +8,19 @@ was generated. Every token keeps the weight version that sampled it and the
 behaviour logprob of that version.
 
 Plain data (JSON through `to_json` / `from_json`): the samples not finished
-at an iteration's end are carried to the next one on disk.
+at an iteration's end are carried to the next one on disk (`CarryStore`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engines.outputs import CompletionOutput, Logprob, RequestOutput
 from engines.sampling import SamplingParams
+from tasks.run.shards import write_atomically
 
 #: A segment's end that resumes: the engine stopped it (a sync's abort).
 RESUMED_REASONS = ("abort", None)
@@ -127,6 +130,14 @@ class GroupState:
     def complete(self) -> bool:
         return all(sample.done for sample in self.samples)
 
+    def waited(self, iteration: int) -> int:
+        """Iterations since the version of the group's oldest segment (its
+        origin when none ran yet): the age the policy checks its rows by. A
+        group started early (`tasks.partial.left`) is one version older than
+        its origin."""
+        versions = [v for sample in self.samples for v in sample.all_versions()]
+        return iteration - min(versions, default=self.origin)
+
     def first_request(self, sampling: SamplingParams) -> SamplingParams:
         """A new group's one request: its n samples, its budget and seed."""
         budget = self.samples[0].budget
@@ -161,3 +172,26 @@ class GroupState:
     def from_json(cls, data: dict[str, Any]) -> GroupState:
         samples = [SampleState(**s) for s in data["samples"]]
         return cls(**{**data, "samples": samples})
+
+
+class CarryStore:
+    """The groups an iteration leaves unfinished, one JSON file per iteration,
+    written atomically."""
+
+    def __init__(self, run_dir: str | Path):
+        self.directory = Path(run_dir) / "partial"
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, iteration: int) -> Path:
+        return self.directory / f"carry-{iteration:03d}.json"
+
+    def load(self, iteration: int) -> list[GroupState]:
+        if iteration < 0:
+            return []
+        path = self.path(iteration)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: iteration {iteration}'s carried groups are missing")
+        return [GroupState.from_json(g) for g in json.loads(path.read_text())]
+
+    def write(self, iteration: int, groups: list[GroupState]) -> None:
+        write_atomically(self.path(iteration), [json.dumps([g.to_json() for g in groups])])

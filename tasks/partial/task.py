@@ -8,8 +8,10 @@ on: one per prompt of the prompts file), aborts what still runs, and carries
 the rest to j + 1 (`<run>/partial/carry-<j>.json`).
 
 The wait bound (max_wait, the run's max_staleness, which the policy checks
-too): a group started at iteration o is due at o + max_wait. Iteration j
-stops only when its due groups are complete as well, and takes them first.
+too): a group whose oldest segment ran under version o (started at
+iteration o, or for o + 1 beside o's policy step: `tasks.partial.left`) is
+due at o + max_wait. Iteration j stops only when its due groups are
+complete as well, and takes them first.
 So every group started is trained (none dropped: dropping would bias the
 batches toward short samples, the long ones never finishing), by a policy
 at most max_wait versions past its oldest token, and one sample spans at
@@ -23,11 +25,10 @@ starts again from the carry of j - 1, and overwrites the carry of j).
 
 from __future__ import annotations
 
-import json
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -35,14 +36,15 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.engines import retry_on_engine_failure
 from tasks.generate import start_try
+from tasks.partial.left import LeftRunning
 from tasks.partial.runner import SegmentRunner
-from tasks.partial.segments import GroupState, SampleState
+from tasks.partial.segments import CarryStore, GroupState, SampleState
 from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
 from tasks.run.pool import EnginePool
 from tasks.run.progress import IterationProgress
 from tasks.run.prompts import Prompts
 from tasks.run.records import record_sampling, rows_for, with_input
-from tasks.run.shards import Shard, ShardStore, write_atomically
+from tasks.run.shards import Shard, ShardStore
 from tasks.run.writer import add_rewards
 
 
@@ -57,6 +59,8 @@ class PartialPlan:
     max_wait: int
     #: The groups not taken go on generating while the policy trains (`LeftRunning`).
     keep_generating: bool = False
+    #: ... and the next iteration's groups start as they complete (not on the run's last).
+    start_next: bool = False
 
 
 def in_flight_groups(batch: int, factor: float) -> int:
@@ -73,88 +77,45 @@ def group_seed(base_seed: int, iteration: int, slot: int, in_flight: int) -> int
     return base_seed + iteration * in_flight + slot
 
 
-class LeftRunning:
-    """The segments an iteration leaves generating while the policy trains
-    (`PartialPlan.keep_generating`), so the engines do not wait for the step.
-    The flow stops them before the sync: a vLLM segment runs under one
-    version, so the sync must find the engines idle. Their tokens so far go
-    into the iteration's carry, written again with the same groups (a flow
-    that fails first tears the engines down, and the carry stays as the
-    task wrote it). A plain class: Prefect passes it to the task as it is."""
-
-    def __init__(self) -> None:
-        self._runner: SegmentRunner | None = None
-        self._carry: CarryStore | None = None
-        self._iteration = 0
-        self._groups: list[GroupState] = []
-        # The segments held, and when each answered (a Ray callback appends).
-        self._held = 0
-        self._answered: list[float] = []
-
-    def hold(
-        self, runner: SegmentRunner, carry: CarryStore, iteration: int, groups: list[GroupState]
-    ) -> None:
-        self._runner, self._carry, self._iteration, self._groups = runner, carry, iteration, groups
-        # When each segment left running answers: the engines were busy
-        # until the last answer, which can come long before the stop.
-        self._held, self._answered = len(runner.flights), []
-        for ref in runner.flights:
-            ref.future().add_done_callback(lambda _: self._answered.append(time.monotonic()))
-
-    def stop(self) -> float | None:
-        """Abort what runs and rewrite the carry. Returns until when the
-        engines were busy with what was left running (`time.monotonic`): now
-        when a segment was still generating, else when the last one
-        answered; None when nothing was left running."""
-        runner, carry, self._runner = self._runner, self._carry, None
-        if runner is None or carry is None:
-            return None
-        # A segment whose answer is not in yet (or whose callback has not
-        # run) still generated: busy until now.
-        answered = list(self._answered)
-        runner.finish()
-        carry.write(self._iteration, self._groups)
-        if len(answered) < self._held:
-            return time.monotonic()
-        return max(answered, default=None)
-
-
-class CarryStore:
-    """The groups an iteration leaves unfinished, one JSON file per iteration,
-    written atomically."""
-
-    def __init__(self, run_dir: str | Path):
-        self.directory = Path(run_dir) / "partial"
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def path(self, iteration: int) -> Path:
-        return self.directory / f"carry-{iteration:03d}.json"
-
-    def load(self, iteration: int) -> list[GroupState]:
-        if iteration < 0:
-            return []
-        path = self.path(iteration)
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: iteration {iteration}'s carried groups are missing")
-        return [GroupState.from_json(g) for g in json.loads(path.read_text())]
-
-    def write(self, iteration: int, groups: list[GroupState]) -> None:
-        write_atomically(self.path(iteration), [json.dumps([g.to_json() for g in groups])])
-
-
 def groups_for(plan: PartialPlan, prompts: Prompts, carried: list[GroupState]) -> list[GroupState]:
-    """The carried groups, oldest first, then new ones up to `in_flight`."""
-    g = plan.generation
+    """The carried groups, oldest first, then new ones up to `in_flight`: the
+    iteration's first slots but those started beside the step before."""
+    iteration = plan.generation.iteration
     groups = sorted(carried, key=lambda c: (c.origin, c.slot))
-    for slot in range(plan.in_flight - len(groups)):
+    started = {c.slot for c in carried if c.origin == iteration}
+    slots = [slot for slot in range(plan.in_flight) if slot not in started]
+    return groups + new_groups(plan, prompts, iteration, slots[: plan.in_flight - len(groups)])
+
+
+def next_groups(plan: PartialPlan, prompts: Prompts, rest: list[GroupState]) -> list[GroupState]:
+    """The next iteration's new groups, to start beside the policy step
+    (`PartialPlan.start_next`): as many as it would start. They are one
+    version older than their origin; with a wait bound of 1 they are due
+    next iteration, so no more than fit in its batch beside the groups of
+    `rest` (this iteration's carry) due then."""
+    following = plan.generation.iteration + 1
+    count = plan.in_flight - len(rest)
+    if plan.max_wait <= 1:
+        due = sum(group.waited(following) >= plan.max_wait for group in rest)
+        count = min(count, len(prompts) - due)
+    return new_groups(plan, prompts, following, range(count))
+
+
+def new_groups(
+    plan: PartialPlan, prompts: Prompts, iteration: int, slots: Iterable[int]
+) -> list[GroupState]:
+    """Groups not started yet, of `iteration` at `slots` (their prompts cycle
+    through the prompts file, each group with its own seed)."""
+    g, made = plan.generation, []
+    for slot in slots:
         index = slot % len(prompts)
         sampling = record_sampling(g.sampling, prompts.records[index].metadata)
         if sampling.max_tokens is None:
             raise ValueError("the partial schedule needs max_tokens (each sample's budget)")
         samples = [SampleState(index=k, budget=sampling.max_tokens) for k in range(g.sampling.n)]
-        seed = group_seed(g.base_seed, g.iteration, slot, plan.in_flight)
-        groups.append(GroupState(g.iteration, slot, index, seed, samples))
-    return groups
+        seed = group_seed(g.base_seed, iteration, slot, plan.in_flight)
+        made.append(GroupState(iteration, slot, index, seed, samples))
+    return made
 
 
 @task(
@@ -189,7 +150,7 @@ def generate_partial_rollouts(
             **report, shards_skipped=1, seconds=0.0, generated_rows=0, generated_tokens=0
         )
     carried = carry.load(g.iteration - 1)
-    due = [c for c in carried if g.iteration - c.origin >= plan.max_wait]
+    due = [c for c in carried if c.waited(g.iteration) >= plan.max_wait]
     runner = SegmentRunner(
         pool,
         prompts.texts,
@@ -214,8 +175,6 @@ def generate_partial_rollouts(
     except BaseException:
         runner.abandon()
         raise
-    if keep:
-        left.hold(runner, carry, g.iteration, rest)
     counts = runner.counts
     progress.written(len(rows), counts.tokens, pool.restarts)
     logger.info(
@@ -230,7 +189,7 @@ def generate_partial_rollouts(
         counts.aborted,
         counts.tokens,
     )
-    return IterationReport(
+    done = IterationReport(
         **report,
         shards_skipped=0,
         seconds=round(time.monotonic() - began, 2),
@@ -238,6 +197,10 @@ def generate_partial_rollouts(
         generated_tokens=counts.tokens,
         reward_seconds=round(reward_s, 3),
     )
+    if keep:  # once the counts are read: the rest goes on in another thread
+        following = next_groups(plan, prompts, rest) if plan.start_next else []
+        left.hold(runner, carry, g.iteration, rest, following)
+    return done
 
 
 def take_batch(

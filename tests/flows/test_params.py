@@ -314,6 +314,21 @@ REFUSED = [
         "--no-partial-keep-generating",
         "--schedule partial",
     ),
+    (
+        {"partial_start_next": True, "reward": REWARD, "schedule": "sync"},
+        "--partial-start-next",
+        "--schedule partial",
+    ),
+    (
+        {
+            "partial_start_next": True,
+            "partial_keep_generating": False,
+            "reward": REWARD,
+            "schedule": "partial",
+        },
+        "--partial-start-next",
+        "--partial-keep-generating",
+    ),
     ({"agent": AGENT, "schedule": "partial"}, "--agent", "--schedule partial"),
     ({"agent_func_path": "f.py", "schedule": "partial"}, "--agent-func-path", "--schedule partial"),
     (
@@ -354,6 +369,7 @@ ACCEPTED = [
     {"weight_sync_probe": False, "reward": REWARD},
     {"schedule": "partial", "reward": REWARD, "partial_in_flight": 2.0, "n": 4},
     {"schedule": "partial", "reward": REWARD, "partial_keep_generating": False},
+    {"schedule": "partial", "reward": REWARD, "partial_start_next": True, "max_staleness": 2},
     {"schedule": "in_flight", "reward": REWARD, "max_staleness": 2, "shard_size": 4},
     {"agent": AGENT, "max_tokens": 12, "temperature": 0.3, "n": 4, "seed": 7},
     {"tool_call_parser": "hermes", "openai_api": True},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rollout_support import nothing_left, run_params, small_run
 
 from flows.rollout import rollout
@@ -20,8 +21,9 @@ from training.long_tail import make_rows
 ITERATIONS, WAIT, PROMPTS, N = 4, 2, 8, 2
 
 
+@pytest.mark.parametrize("start_next", [False, True], ids=["held", "start-next"])
 def test_partial_rollouts_resume_across_syncs_and_write_each_sample_once(
-    ray_local, tiny_model, tmp_path
+    ray_local, tiny_model, tmp_path, start_next
 ):
     rows = make_rows(PROMPTS, seed=3, scale=32)  # 2-16 tokens, one row of 256
     prompts = tmp_path / "long_tail.jsonl"
@@ -41,6 +43,7 @@ def test_partial_rollouts_resume_across_syncs_and_write_each_sample_once(
             max_len=320,
             ignore_eos=True,
             learning_rate=0.01,
+            partial_start_next=start_next,
         )
     )
     state = rollout(params, return_state=True)
@@ -65,13 +68,20 @@ def test_partial_rollouts_resume_across_syncs_and_write_each_sample_once(
             assert row["weight_version"] == row["weight_versions"][0] >= i - WAIT
             assert len(row["logprobs"]) == len(versions)
     # None dropped: every group started is written or still carried, once.
+    # An iteration's new groups fill its slots up to in_flight beside the
+    # older groups carried to it (some of them started beside the step before).
     carry = CarryStore(run_dir)
     in_flight, seed = in_flight_groups(PROMPTS, 1.5), params.sampling.seed
     started = {
         group_seed(seed, j, slot, in_flight)
         for j in range(ITERATIONS)
-        for slot in range(in_flight - len(carry.load(j - 1)))
+        for slot in range(in_flight - sum(g.origin < j for g in carry.load(j - 1)))
     }
+    # Rows of groups started beside the step before their iteration (origin
+    # j: seed // in_flight), first sampled by version j - 1; the checks above
+    # held for them too (every token within the wait bound of its row).
+    early = [r for r in all_rows if r["weight_version"] < (r["seed"] - seed) // in_flight]
+    assert bool(early) == start_next, len(early)
     carried = {g.seed for g in carry.load(ITERATIONS - 1)}
     assert all(g.origin > ITERATIONS - 1 - WAIT for g in carry.load(ITERATIONS - 1))
     assert {r["seed"] for r in all_rows} | carried == started

@@ -7,6 +7,8 @@ waits for a shard of a drawn iteration, then a drawn delay (cut short by the
 last iteration's first shard, so the kill always lands in the run), then
 kills a drawn engine's actor: the kill falls in a generation, a policy step,
 the stop of a `partial` generation's leftover segments, or a weight sync.
+`partial_next` is `partial` with the next iteration's groups started beside
+the policy step (`--partial-start-next`).
 
 The suite runs `DEATH_SEEDS` seeds per schedule (few: each run is a real
 flow). Run each schedule many times in a row with `ENGINE_DEATH_RUNS`:
@@ -14,7 +16,7 @@ flow). Run each schedule many times in a row with `ENGINE_DEATH_RUNS`:
     ENGINE_DEATH_RUNS=10 PYTHONPATH=$PWD .venv/bin/python -m pytest -q \
         tests/flows/test_training_engine_death.py
 
-(seeds 0..9 per schedule; `-k partial` picks one schedule).
+(seeds 0..9 per schedule; `-k partial_next` picks one schedule).
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def long_tail_prompts(path: Path) -> Path:
 
 
 def training_run(model: str, tmp_path: Path, schedule: str):
+    """`partial_next`: `partial` with the next groups started beside the step."""
+    partial = {"partial_start_next": True} if schedule == "partial_next" else {}
     return run_params(
         **small_run(
             model,
@@ -106,7 +110,7 @@ def training_run(model: str, tmp_path: Path, schedule: str):
             id_field="id",
             label_field="answer",
             reward="training.rewards:target_chars_fraction",
-            schedule=schedule,
+            schedule="partial" if partial else schedule,
             iterations=ITERATIONS,
             n=N,
             max_len=LONG_TOKENS + 64,
@@ -115,6 +119,7 @@ def training_run(model: str, tmp_path: Path, schedule: str):
             shard_size=2,
             learning_rate=0.01,
             **({} if schedule == "sync" else {"max_staleness": 1}),
+            **partial,
         )
     )
 
@@ -131,7 +136,7 @@ def check_rows(run_dir: Path, schedule: str, synced: set[int]) -> None:
         assert sorted(keys) == [(p, k) for p in range(PROMPTS) for k in range(N)], i
         for row in rows:
             key = (row["seed"], row["prompt_index"], row["sample_index"])
-            if schedule == "partial":
+            if schedule.startswith("partial"):
                 key = (row["seed"], row["sample_index"])
             assert key not in seen, f"{key} written in iterations {seen[key]} and {i}"
             seen[key] = i
@@ -143,7 +148,7 @@ def check_rows(run_dir: Path, schedule: str, synced: set[int]) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("schedule", ["partial", "sync", "in_flight", "overlap"])
+@pytest.mark.parametrize("schedule", ["partial", "partial_next", "sync", "in_flight", "overlap"])
 def test_engine_killed_at_a_random_moment_never_ends_the_run(
     ray_local, tiny_model, tmp_path, schedule, seed
 ):

@@ -212,6 +212,10 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(engine):
         run(engine.generate([1, 2, 100000], SamplingParams()))
     with pytest.raises(RequestError, match="non-empty list"):
         run(engine.generate([], SamplingParams()))
+    # An empty text has no token to generate from (before it was refused,
+    # it reached the model's forward and failed there).
+    with pytest.raises(RequestError, match="prompt 0 is empty"):
+        run(engine.generate_text("", SamplingParams()))
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
     assert tokens(engine, PROMPT, max_tokens=2, ignore_eos=True)

@@ -10,48 +10,14 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
-import pytest
 import ray
-from waiting import SETUP_TIMEOUT_S, wait_until
+from partial_engines import KILLED_LONG, LONG, SAMPLING, groups, runner, still_generating
+from waiting import wait_until
 
-from engines import create_vllm_engines, destroy_engines
-from engines.sampling import SamplingParams
-from tasks.partial.runner import SegmentRunner
 from tasks.partial.segments import GroupState, SampleState
-from tasks.partial.task import CarryStore, LeftRunning
 from tasks.run.pool import EnginePool
 from tasks.run.records import rows_for
-
-MAX_LEN = 2048
-LONG, SHORT = 400, 8
-#: A long group's budget for a test that kills its engine mid-generation:
-#: about 3 s of the tiny model's decoding on the CPU box, where LONG's took
-#: 0.6 s after the batch completed, a window a kill on a busy box can miss.
-KILLED_LONG = MAX_LEN - 64
-SAMPLING = SamplingParams(n=2, temperature=1.0, ignore_eos=True, logprobs=0, max_tokens=LONG)
-TEXTS = ["Write lowercase letters after abc", "Write lowercase letters after xyz"]
-
-
-@pytest.fixture
-def pool(ray_local, tiny_model):
-    engines = create_vllm_engines(2, tiny_model, MAX_LEN, backend="hf", name_prefix="resume")
-    ray.get([e.ready.remote() for e in engines], timeout=SETUP_TIMEOUT_S)
-    yield EnginePool(engines)
-    destroy_engines(engines)
-
-
-def groups(long: int = LONG) -> list[GroupState]:
-    """A long group and a short one: the short completes the batch of one."""
-    return [
-        GroupState(0, slot, slot, 100 + slot, [SampleState(k, budget) for k in range(2)])
-        for slot, budget in ((0, long), (1, SHORT))
-    ]
-
-
-def runner(pool: EnginePool) -> SegmentRunner:
-    return SegmentRunner(pool, TEXTS, SAMPLING, batch=1, timeout_s=300, abort_timeout_s=60)
 
 
 def new_weights(pool: EnginePool, tmp_path) -> None:
@@ -67,13 +33,6 @@ def new_weights(pool: EnginePool, tmp_path) -> None:
     }
     path = checkpoint.save(weights.items(), tmp_path / "v1", version=1)
     ray.get([e.load_checkpoint.remote(str(path), version=1) for e in pool.engines], timeout=120)
-
-
-def still_generating(runner: SegmentRunner) -> bool:
-    """Whether a segment of `runner` is not yet answered."""
-    flights = list(runner.flights)
-    ready, _ = ray.wait(flights, num_returns=len(flights), timeout=0) if flights else ([], [])
-    return len(ready) < len(flights)
 
 
 def stop_the_long_group(pool: EnginePool) -> tuple[GroupState, list[SampleState]]:
@@ -189,30 +148,6 @@ def test_kept_running_a_batch_complete_from_the_carry_still_sends_the_rest(pool)
     stopped = runner(pool)
     assert stopped.run([short_group, groups()[0]]) == [short_group]
     assert stopped.counts.sent == 0 and not stopped.flights
-
-
-def test_left_running_reports_the_engines_busy_until_its_last_answer(pool, tmp_path):
-    """The flow counts the engines idle from what `LeftRunning.stop` returns:
-    now while a segment still generates, else the time of the last answer
-    (not the generation task's end, not the stop)."""
-    long_group, short_group = groups()
-    kept = runner(pool)
-    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
-    left = LeftRunning()
-    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
-    wait_until(lambda: not still_generating(kept), 120, "the long group to finish")
-    wait_until(lambda: left._answered, 30, "the answer's callback")
-    before = time.monotonic()
-    until = left.stop()
-    assert until is not None and until <= before and long_group.complete
-    # Still generating at the stop: busy until the stop.
-    long_group, short_group = groups()
-    kept = runner(pool)
-    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
-    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
-    before = time.monotonic()
-    assert left.stop() >= before and not long_group.complete
-    assert LeftRunning().stop() is None
 
 
 def test_kept_running_past_the_request_deadline_still_stops_with_its_tokens(pool):

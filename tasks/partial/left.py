@@ -1,0 +1,131 @@
+"""What a `partial` iteration leaves generating while the policy trains
+(`PartialPlan.keep_generating`), so the engines do not wait for the step.
+
+The groups the step did not take go on, on the version that started them;
+with `PartialPlan.start_next`, each of them that completes gives its place
+to one of the next iteration's new groups, so the engines keep as much work
+as the step began with until it ends, and the next iteration finds groups
+done. The flow stops it all before the sync (a vLLM segment runs under one
+version, so the sync must find the engines idle): the unfinished samples'
+tokens so far, and the next iteration's groups that were started, go into
+the iteration's carry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from engines import EngineFailure
+from tasks.partial.runner import SegmentRunner
+from tasks.partial.segments import CarryStore, GroupState
+from tasks.run.pool import FETCH_TIMEOUT_S
+
+#: How long the thread waits for an answer before it looks for the stop:
+#: the stop, on the sync's path, waits up to this long for it.
+STOP_CHECK_S = 0.02
+
+
+class LeftRunning:
+    """Runs beside the policy step, in a thread of the flow's process that
+    takes the engines' answers as they come (not all at the stop) and starts
+    the next iteration's groups. A plain class: Prefect passes it to the
+    generation task as it is."""
+
+    def __init__(self) -> None:
+        self._runner: SegmentRunner | None = None
+        self._carry: CarryStore | None = None
+        self._iteration = 0
+        self._groups: list[GroupState] = []
+        self._next: list[GroupState] = []
+        self._started: list[GroupState] = []
+        self._places = 0
+        self._last_answer: float | None = None
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def hold(
+        self,
+        runner: SegmentRunner,
+        carry: CarryStore,
+        iteration: int,
+        groups: list[GroupState],
+        next_groups: list[GroupState] = (),
+    ) -> None:
+        """Keep `runner`'s segments (of `groups`, the iteration's carry)
+        generating; start `next_groups`, in order, as running groups complete."""
+        self._runner, self._carry, self._iteration = runner, carry, iteration
+        self._groups, self._next, self._started = groups, list(next_groups), []
+        # As many samples running as the step began with, not more (a
+        # colocated policy shares the device with them): a group's place is
+        # taken by the next group once enough of its samples are done.
+        self._places = running_samples(groups)
+        self._last_answer, self._error = None, None
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="partial-left-running", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        runner = self._runner
+        try:
+            while not self._stopping.is_set():
+                running = running_samples(self._groups + self._started)
+                while self._next and running < self._places:
+                    group = self._next.pop(0)
+                    runner.send(group, group.samples)
+                    self._started.append(group)
+                    running += len(group.samples)
+                if not runner.flights:
+                    return
+                if runner.collect_one(STOP_CHECK_S):
+                    self._last_answer = time.monotonic()
+        except BaseException as exc:  # read at the stop, in the flow's thread
+            self._error = exc
+
+    def stop(self) -> float | None:
+        """Abort what runs and rewrite the carry (the held groups, then the
+        next iteration's that were started). Returns until when the engines
+        were busy with it (`time.monotonic`): now when a segment was still
+        generating, else when the last one answered; None when nothing was
+        left running."""
+        runner, carry, self._runner = self._runner, self._carry, None
+        if runner is None or carry is None:
+            return None
+        self._join()
+        busy_until = time.monotonic() if runner.flights else self._last_answer
+        try:
+            runner.finish()
+        finally:  # the tokens taken so far are kept whatever the stop raised
+            carry.write(self._iteration, self._groups + self._started)
+        # An engine lost beside the step is the sync's to replace (it
+        # replaces failed engines first); anything else ends the run.
+        if self._error is not None and not isinstance(self._error, EngineFailure):
+            raise self._error
+        return busy_until
+
+    def abandon(self) -> None:
+        """The run ends before the stop (a failure): cancel what runs."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            try:
+                self._join()
+            finally:
+                runner.abandon()
+
+    def _join(self) -> None:
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        # Its longest step is fetching an answer `ray.wait` found ready.
+        thread.join(FETCH_TIMEOUT_S + STOP_CHECK_S)
+        if thread.is_alive():
+            raise RuntimeError(
+                f"partial iteration {self._iteration}: what ran beside the policy step "
+                f"did not stop within {FETCH_TIMEOUT_S + STOP_CHECK_S:g}s"
+            )
+
+
+def running_samples(groups: list[GroupState]) -> int:
+    return sum(not sample.done for group in groups for sample in group.samples)

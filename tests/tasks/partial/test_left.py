@@ -1,0 +1,98 @@
+"""What a partial iteration leaves generating beside the policy step, on
+real CPU engine actors: the engines' busy time the flow counts idle from,
+the next iteration's groups started in the places of those that complete,
+and the carry the stop writes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from partial_engines import SAMPLING, SHORT, TEXTS, groups, runner, still_generating
+from waiting import wait_until
+
+from engines import RequestError
+from tasks.partial.left import LeftRunning
+from tasks.partial.runner import SegmentRunner
+from tasks.partial.segments import CarryStore, GroupState, SampleState
+
+
+def new_group(slot: int, prompt_index: int | None = None) -> GroupState:
+    """One of the next iteration's groups (origin 1), not started."""
+    index = slot % 2 if prompt_index is None else prompt_index
+    return GroupState(1, slot, index, 200 + slot, [SampleState(k, SHORT) for k in range(2)])
+
+
+def test_left_running_reports_the_engines_busy_until_its_last_answer(pool, tmp_path):
+    """The flow counts the engines idle from what `LeftRunning.stop` returns:
+    now while a segment still generates, else the time of the last answer
+    (not the generation task's end, not the stop)."""
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    left = LeftRunning()
+    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
+    wait_until(lambda: long_group.complete, 120, "the long group to finish")
+    before = time.monotonic()
+    until = left.stop()
+    assert until is not None and until <= before
+    # Still generating at the stop: busy until the stop.
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
+    before = time.monotonic()
+    assert left.stop() >= before and not long_group.complete
+    assert LeftRunning().stop() is None
+
+
+def test_the_next_groups_start_in_the_places_of_those_that_complete(pool, tmp_path):
+    """A group left running that completes gives its place to the next
+    iteration's groups, one after another, on the version served; the stop
+    carries the held groups, then the next ones that started (not the rest)."""
+    held, short_group = groups(long=48)
+    kept = runner(pool)
+    assert kept.run([held, short_group], keep_running=True) == [short_group]
+    following = [new_group(slot) for slot in range(3)]
+    left = LeftRunning()
+    left.hold(kept, CarryStore(tmp_path), 0, [held], following)
+    wait_until(lambda: all(g.complete for g in following), 120, "the next groups to complete")
+    assert held.complete and not still_generating(kept)
+    until = left.stop()
+    assert until is not None and until <= time.monotonic()
+    carried = CarryStore(tmp_path).load(0)
+    assert [(g.origin, g.slot) for g in carried] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    for group in carried[1:]:
+        # One request of n, as a new group is sent, under version 0.
+        assert group.complete and group.waited(1) == 1
+        assert all(s.segments == 1 and s.token_versions == [0] * SHORT for s in group.samples)
+
+
+def test_no_next_group_starts_while_the_held_ones_keep_their_places(pool, tmp_path):
+    """A held group still generating keeps its place: nothing of the next
+    iteration starts, and the carry holds the held group alone, aborted
+    with its tokens."""
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    left = LeftRunning()
+    left.hold(kept, CarryStore(tmp_path), 0, [long_group], [new_group(0)])
+    left.stop()
+    carried = CarryStore(tmp_path).load(0)
+    assert [(g.origin, g.slot) for g in carried] == [(0, 0)]
+    assert all(s.finish_reason == "abort" and s.token_ids for s in carried[0].samples)
+
+
+def test_a_bad_next_group_ends_the_run_at_the_stop_with_the_carry_written(pool, tmp_path):
+    """A request no engine can serve (an empty prompt) is no engine's
+    failure: the stop still writes the carry, then raises it."""
+    held, short_group = groups(long=16)
+    kept = SegmentRunner(pool, [*TEXTS, ""], SAMPLING, batch=1, timeout_s=300, abort_timeout_s=60)
+    assert kept.run([held, short_group], keep_running=True) == [short_group]
+    left = LeftRunning()
+    left.hold(kept, CarryStore(tmp_path), 0, [held], [new_group(0, prompt_index=2)])
+    wait_until(lambda: kept.counts.sent == 3, 120, "the next group to be sent")
+    with pytest.raises(RequestError, match="prompt 2"):
+        left.stop()
+    assert not pool.failed
+    assert [(g.origin, g.slot) for g in CarryStore(tmp_path).load(0)] == [(0, 0), (1, 0)]
