@@ -177,9 +177,10 @@ def generate_partial_rollouts(
         raise
     counts = runner.counts
     progress.written(len(rows), counts.tokens, pool.restarts)
+    early = sum(c.origin == g.iteration for c in carried)
     logger.info(
         "iteration %d: %d groups taken (%d at their wait bound), %d carried; "
-        "%d segments (%d resumed, %d aborted), %d tokens",
+        "%d segments (%d resumed, %d aborted), %d tokens%s",
         g.iteration,
         len(taken),
         len(due),
@@ -188,6 +189,7 @@ def generate_partial_rollouts(
         counts.resumed,
         counts.aborted,
         counts.tokens,
+        f"; {early} of its groups started beside the last step" if early else "",
     )
     done = IterationReport(
         **report,
