@@ -101,3 +101,66 @@ def test_an_adapter_vllm_copied_is_built_anew():
     copied = {n: t.clone() for n, t in views.items()}  # another dtype would copy so
     assert Built.of(merged(copied, 4.0, 1), own, adapter.bucket, spec, 4.0) is None
     assert Built.of(merged(views, 4.0, 1), own, adapter.bucket, spec, 4.0) is not None
+
+
+class Registry:
+    """vLLM 0.26's LRU adapter cache as the store uses it: registering
+    merges and scales each lora_B once (`optimize`: scaling then 1)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.registered = capacity, {}
+
+    def list_adapters(self) -> dict:
+        return dict(self.registered)
+
+    def add_adapter(self, lora) -> None:
+        for weights in lora.loras.values():
+            if weights.scaling != 1:
+                weights.lora_b.mul_(weights.scaling)
+                weights.scaling = 1
+        self.registered[lora.id] = lora
+
+    def remove_adapter(self, lora_id: int) -> None:
+        self.registered.pop(lora_id, None)
+
+
+def built_of_views(store, version, spec, views):
+    """What `LoRAModel.from_lora_tensors` builds: views of the tensors given."""
+    loras = {}
+    for name, tensor in views.items():
+        module = name.split(".lora_")[0]
+        weights = loras.setdefault(module, SimpleNamespace(lora_a=None, lora_b=None, scaling=4.0))
+        setattr(weights, "lora_a" if ".lora_A." in name else "lora_b", tensor)
+    return SimpleNamespace(id=adapter_id(version), loras=loras), 4.0
+
+
+def test_the_version_after_the_first_build_refills_a_spare_scaled_once(monkeypatch):
+    """The first build prepares a spare (registered once, removed), so the
+    next version, which replaces none, is refilled, not built, and scaled
+    once; with no room in vLLM's cache beside the first, none is prepared."""
+    monkeypatch.setattr(VllmAdapters, "_build", built_of_views)
+    spec = LoraSpec(2, 8.0, ("q_proj",))
+    a, b = NAME.format("q_proj"), NAME.format("q_proj").replace("lora_A", "lora_B")
+
+    def version(value: float) -> PackedAdapter:
+        return packed({a: torch.full((2, 4), value), b: torch.full((4, 2), value)})
+
+    store = adapters([])
+    registry = store.manager._adapter_manager = Registry(capacity=2)
+    store.load(1, spec, version(1.0), remove=[])
+    assert "build_s" in store.times and set(registry.registered) == {adapter_id(1)}
+    store.load(2, spec, version(2.0), remove=[])
+    assert "refill_s" in store.times and "build_s" not in store.times
+    assert set(registry.registered) == {adapter_id(1), adapter_id(2)}
+    for v, value in ((1, 1.0), (2, 2.0)):
+        (weights,) = registry.registered[adapter_id(v)].loras.values()
+        assert torch.equal(weights.lora_a, torch.full((2, 4), value))
+        assert torch.equal(weights.lora_b, torch.full((4, 2), value * 4.0)), v
+    store.load(3, spec, version(3.0), remove=[1])  # the replaced one's, as before
+    assert "refill_s" in store.times
+    full = adapters([])
+    full.manager._adapter_manager = Registry(capacity=1)
+    full.load(1, spec, version(1.0), remove=[])
+    full.load(2, spec, version(2.0), remove=[1])
+    assert "refill_s" in full.times
+    assert full._spare is None
