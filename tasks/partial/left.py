@@ -61,6 +61,7 @@ class LeftRunning:
         # colocated policy shares the device with them): a group's place is
         # taken by the next group once enough of its samples are done.
         self._places = running_samples(groups)
+        runner.beside_the_step()
         self._last_answer, self._error = None, None
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="partial-left-running", daemon=True)

@@ -10,6 +10,7 @@ sent again, from the sample's tokens before it, to a surviving engine.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,8 @@ class SegmentRunner:
         self.completed: list[GroupState] = []
         self.counts = SegmentCounts()
         self.stopping = False
+        # False beside the policy step (`beside_the_step`).
+        self.deadlines = True
 
     def run(
         self, groups: list[GroupState], due: list[GroupState] = (), *, keep_running: bool = False
@@ -143,7 +146,7 @@ class SegmentRunner:
         self.counts.sent += 1
         self.pool.stats[engine].generate_calls += 1
         restarts = self.pool.stats[engine].restarts
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s if self.deadlines else math.inf
         self.flights[ref] = Segment(group, samples, engine, restarts, deadline)
 
     def collect_one(self, slice_s: float | None = None) -> bool:
@@ -214,6 +217,15 @@ class SegmentRunner:
         due = time.monotonic() + self.abort_timeout_s
         for flight in self.flights.values():
             flight.deadline = due
+
+    def beside_the_step(self) -> None:
+        """What runs on beside the policy step (`tasks.partial.left`) runs
+        until the flow stops it, however long the step: no deadline from a
+        segment's send counts then, or a long step would count a healthy
+        engine hung. The stop gives every segment `abort_timeout_s`."""
+        self.deadlines = False
+        for flight in self.flights.values():
+            flight.deadline = math.inf
 
     def lose_engine(self, engine: int, restarts: int, error: EngineFailure) -> None:
         """Engine `engine` (at its `restarts`) is gone or hung: its segments

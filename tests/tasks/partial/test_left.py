@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from partial_engines import SAMPLING, SHORT, TEXTS, groups, runner, still_generating
+from partial_engines import LONG, SAMPLING, SHORT, TEXTS, groups, runner, still_generating
 from waiting import wait_until
 
 from engines import RequestError
@@ -44,6 +44,24 @@ def test_left_running_reports_the_engines_busy_until_its_last_answer(pool, tmp_p
     before = time.monotonic()
     assert left.stop() >= before and not long_group.complete
     assert LeftRunning().stop() is None
+
+
+def test_what_runs_beside_the_step_outlives_the_deadline_it_was_sent_with(pool, tmp_path):
+    """A policy step may outlast the request deadline the rest was sent
+    with: beside the step no such deadline counts, so no engine is taken
+    for hung, and the rest completes or is stopped with its tokens."""
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    for flight in kept.flights.values():
+        flight.deadline = 0.0  # as if sent longer than timeout_s ago
+    left = LeftRunning()
+    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
+    wait_until(lambda: long_group.complete, 120, "the long group to finish")
+    left.stop()
+    assert not pool.failed and kept.counts.sent == 2
+    (carried,) = CarryStore(tmp_path).load(0)
+    assert carried.complete and all(len(s.token_ids) == LONG for s in carried.samples)
 
 
 def test_the_next_groups_start_in_the_places_of_those_that_complete(pool, tmp_path):
