@@ -117,6 +117,9 @@ class Host:
 
         return sequence_logprobs(self.model, token_ids)
 
+    def served_quantization(self) -> None:
+        return None  # the CPU engine serves the dtype sent
+
 
 @dataclass(frozen=True)
 class CpuCase:

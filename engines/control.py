@@ -68,6 +68,12 @@ class ControlApi(abc.ABC):
         door (a sync's probe, alongside the first requests let in after it);
         None when the backend cannot run a request now."""
 
+    def served_quantization(self) -> str | None:
+        """The format this engine rounds the weights it is sent to, beyond
+        their dtype (vLLM's online "fp8"): the probe's tolerance widens for
+        it. None: the dtype sent is what it serves."""
+        return None
+
     def hold_outputs(self) -> None:
         """Hold every output computed from now (and by the requests inside)
         until `release_outputs`: a sync's probe has yet to pass the weights."""

@@ -200,6 +200,11 @@ class VLLMEngine(VLLMControl):
         return self._load.load(self.engine.output_processor.get_num_unfinished_requests())
 
     # --- the sync's probe: one request past the door -----------------------------
+    def served_quantization(self) -> str | None:
+        # The model's, whether asked for (`EngineConfig.quantization`, the
+        # engine kwargs) or read from a quantized checkpoint.
+        return self.engine.model_config.quantization
+
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         if self._admission.frozen or self._asleep:
             # Frozen after the sync's resume: a caller's own pause around the

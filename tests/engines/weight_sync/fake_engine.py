@@ -62,6 +62,9 @@ class FakeEngine(WeightApi):
     async def wake_up(self, tags=None):
         raise AssertionError("no test here sleeps")
 
+    def served_quantization(self):
+        return None
+
     async def collective_rpc(self, method, args=(), kwargs=None, timeout_s=None):
         function = getattr(self.worker, method)
         return [await asyncio.to_thread(function, *args, **(kwargs or {}))]

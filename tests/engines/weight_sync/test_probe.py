@@ -7,12 +7,14 @@ and only the probe can tell)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 
 import pytest
 import ray
 import torch
+from fp8_emulation import fp8_computed
 from policy_probes import ProbedPolicy
 from waiting import SETUP_TIMEOUT_S
 
@@ -27,6 +29,7 @@ from engines.weight_sync import Manifest, ProbeMismatchError, sync_from_checkpoi
 from engines.weight_sync.formats.buckets import plan_buckets
 from engines.weight_sync.probe import (
     PROBE_LENGTH,
+    QUANTIZED_ROUNDOFF,
     ROUNDING_UNITS,
     TOLERANCE_FLOOR,
     ProbeReference,
@@ -47,11 +50,14 @@ REFERENCE = ProbeReference(tuple(range(1, 5)), (-1.0, -2.0, -3.0), tolerance=0.1
 class Host:
     """Stands in for an engine actor's `probe_logprobs`."""
 
-    def __init__(self, logprobs: list[float] | None):
-        self.logprobs = logprobs
+    def __init__(self, logprobs: list[float] | None, quantization: str | None = None):
+        self.logprobs, self.quantization = logprobs, quantization
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         return self.logprobs
+
+    def served_quantization(self) -> str | None:
+        return self.quantization
 
 
 def probe(logprobs: list[float] | None) -> ProbeResult:
@@ -113,13 +119,19 @@ def test_the_tolerance_follows_the_coarsest_dtype_the_logits_and_the_depth():
 
 # --- the reference, on the tiny model's weights, in this process ---------------------------
 class ModelHost:
-    """An engine's `probe_logprobs` on a model in the engine's dtype (the CPU engine's)."""
+    """An engine's `probe_logprobs` on a model in the engine's dtype (the CPU
+    engine's), or computed as vLLM's online FP8 computes it (`quantization`
+    "fp8")."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, quantization: str | None = None):
+        self.model, self.quantization = model, quantization
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        return sequence_logprobs(self.model, token_ids)
+        with fp8_computed(self.model) if self.quantization else contextlib.nullcontext():
+            return sequence_logprobs(self.model, token_ids)
+
+    def served_quantization(self) -> str | None:
+        return self.quantization
 
 
 def synced_pair(tiny_model, sent: torch.dtype, **trainer_config):
@@ -176,6 +188,46 @@ def test_the_mode_is_restored_when_the_reference_fails(tiny_model, monkeypatch):
 
 def scale_one(weights: dict) -> None:
     weights["model.layers.1.mlp.down_proj.weight"] *= 1.1
+
+
+def test_an_fp8_engine_is_allowed_its_rounding_and_an_unknown_format_is_not_judged():
+    """`ProbeReference.tolerance_on`: the engine's own quantization widens
+    the tolerance by its roundoff; a format without one is skipped, saying so."""
+    probe = ProbeReference((1, 2, 3, 4), (-1.0, -2.0, -3.0), tolerance=0.01, per_roundoff=2.0)
+    assert probe.tolerance_on(None) == 0.01
+    assert probe.tolerance_on("fp8") == 2.0 * QUANTIZED_ROUNDOFF["fp8"] > 0.01
+    assert probe.tolerance_on("awq") is None
+    assert REFERENCE.tolerance_on("fp8") == REFERENCE.tolerance  # no per_roundoff: never looser
+    off = [-1.05, -2.05, -3.05]
+    with pytest.raises(ProbeMismatchError, match="tolerance 0.01;"):
+        asyncio.run(check(Host(off), probe, "a bf16 engine"))
+    assert asyncio.run(check(Host(off, "fp8"), probe, "an fp8 engine")).status == "passed"
+    result = asyncio.run(check(Host(off, "awq"), probe, "an awq engine"))
+    assert result.status == "skipped" and "quantization 'awq'" in result.note
+
+
+def test_an_fp8_engine_has_no_false_alarm_and_a_corruption_still_caught(tiny_model):
+    """The GPU format matrix's FP8 engine failed its probe on correct syncs
+    (mean 0.024-0.033 against bf16's tolerance of 0.009-0.014): the engine
+    quantizes what it is sent, which the trainer's bf16 reference cannot
+    see. Here vLLM's FP8 is emulated on the tiny model: 20 correct syncs
+    pass on the FP8 tolerance and fail on bf16's; flipped rows are caught."""
+    _, engine, step_and_sync = synced_pair(tiny_model, torch.bfloat16)
+    fp8 = ModelHost(engine, "fp8")
+    for version in range(20):
+        probe = step_and_sync()
+        asyncio.run(check(fp8, probe, f"version {version}"))
+        logprobs = asyncio.run(fp8.probe_logprobs(list(probe.token_ids)))
+        with pytest.raises(ProbeMismatchError):
+            asyncio.run(check(Host(logprobs), probe, "judged on bf16's tolerance"))
+
+    def flip_rows(weights: dict) -> None:
+        weights["model.layers.0.mlp.down_proj.weight"] = weights[
+            "model.layers.0.mlp.down_proj.weight"
+        ].flip(0)
+
+    with pytest.raises(ProbeMismatchError, match="differ from the trainer's"):
+        asyncio.run(check(ModelHost(engine, "fp8"), step_and_sync(flip_rows), "flipped rows"))
 
 
 def test_a_float32_trainer_sending_bf16_has_a_scaled_weight_caught(tiny_model):

@@ -1,0 +1,126 @@
+"""The reference policy's train step at the long tail's lengths, and where
+its time goes: `ReferencePolicy.train_step` on groups shaped as
+`benchmarks/schedules.py --workload long-tail` makes them (one group of `n`
+per row of `training.long_tail`, every sample its row's length, behaviour
+logprobs attached), timed over `--steps` steps after one warm-up, the last
+under torch's profiler. Not a test: it prints figures.
+
+    python3 benchmarks/policy_step.py --gpu --scale 4 --prompts 32 --n 8   # GPU long tail's
+    python3 benchmarks/policy_step.py --scale 32 --prompts 16 --n 4        # CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.schedules import GPU_MODEL_SHAPE  # noqa: E402
+
+PROMPT_TOKENS = 40  # the long tail's prompts, byte-tokenized, with their template
+
+
+def make_groups(prompts: int, n: int, scale: int, seed: int, vocab: int) -> list[dict]:
+    from training.long_tail import make_rows
+
+    rng = random.Random(seed)
+    groups = []
+    for row in make_rows(prompts, seed=seed, scale=scale):
+        prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+        samples = []
+        for _ in range(n):
+            length = int(row["max_tokens"])
+            samples.append(
+                {
+                    "prompt_token_ids": prompt,
+                    "completion_token_ids": [rng.randrange(3, vocab) for _ in range(length)],
+                    "logprobs": [-rng.uniform(4.0, 7.0) for _ in range(length)],
+                    "weight_version": 0,
+                    "reward": rng.random(),
+                }
+            )
+        groups.append({"samples": samples})
+    return groups
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--gpu", action="store_true", help="CUDA and the GPU model (else the CPU, the tiny model)"
+    )
+    parser.add_argument("--scale", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", type=int, default=25, help="profiler rows printed")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engines.tiny_model import build_tiny_model, ensure_tiny_model
+    from training.policy import ReferencePolicy
+
+    workdir = Path(tempfile.mkdtemp(prefix="policy-step-"))
+    model = (
+        str(build_tiny_model(workdir / "llama-0.28b", **GPU_MODEL_SHAPE))
+        if args.gpu
+        else str(ensure_tiny_model())
+    )
+    policy = ReferencePolicy(
+        {
+            "pretrain": model,
+            "device": "cuda" if args.gpu else "cpu",
+            "learning_rate": 5e-5,
+            "max_staleness": 8,
+            "micro_batch_tokens": args.micro_batch_tokens,
+        }
+    )
+    groups = make_groups(args.prompts, args.n, args.scale, args.seed, vocab=259)
+    tokens = sum(
+        len(s["prompt_token_ids"]) + len(s["completion_token_ids"])
+        for g in groups
+        for s in g["samples"]
+    )
+    print(f"{args.prompts} groups of {args.n}, {tokens} tokens, on {policy.device}", flush=True)
+    policy.train_step(groups)  # warm-up: allocator, kernels, the optimizer's state
+    seconds = []
+    for step in range(args.steps):
+        last = step == args.steps - 1
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.gpu else [])
+        with profile(activities=activities) if last else nullcontext() as prof:
+            if args.gpu:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            report = policy.train_step(groups)
+            if args.gpu:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - started)
+        print(f"step {step + 1}: {seconds[-1]:.3f} s (report {report.seconds:.3f} s)", flush=True)
+    sort = "cuda_time_total" if args.gpu else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows), flush=True)
+    result = {
+        "tokens": tokens,
+        "steps_s": seconds,
+        "median_s": statistics.median(seconds),
+        "device": str(policy.device),
+    }
+    print(json.dumps(result), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
