@@ -29,10 +29,21 @@ def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> l
     device = next(model.parameters()).device
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    real = torch.zeros((len(sequences), width), dtype=torch.bool)
     for i, seq in enumerate(sequences):
         ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, : len(seq)] = 1
+        real[i, : len(seq)] = True
+    mask = real.long()
+    if next(model.parameters()).dtype == torch.float32:
+        # Given a batch without padding, transformers hands SDPA no mask and
+        # `enable_gqa`, which only the flash kernel runs fused, in half
+        # precision only: a float32 GQA policy's long samples, alone in their
+        # micro-batches, fell back to the math kernel (S x S scores in
+        # memory). A 4D causal and padding mask, which transformers takes as
+        # is, gives every micro-batch the memory-efficient kernel the padded
+        # ones got.
+        causal = torch.ones((width, width), dtype=torch.bool).tril()
+        mask = (causal & real[:, None, :])[:, None]
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
     picked = logprobs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)

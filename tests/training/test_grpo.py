@@ -40,6 +40,9 @@ def test_right_padded_logprobs_equal_unpadded_forwards(tiny_model):
             expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])
             assert got.shape == (len(seq) - 1,)
             torch.testing.assert_close(got, expected[:, 0], atol=1e-5, rtol=0)
+            # Alone, without padding (a long sample's micro-batch): the same.
+            (alone,) = token_logprobs(model, [seq], pad_id=0)
+            torch.testing.assert_close(alone, expected[:, 0], atol=1e-5, rtol=0)
 
 
 def test_loss_pushes_logprobs_along_the_advantage():
