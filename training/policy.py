@@ -251,6 +251,9 @@ class ReferencePolicy(Trainer):
             reward_std=statistics.pstdev(rewards),
             samples=len(samples),
             trained_samples=len(trained),
+            trained_tokens=sum(
+                len(s.prompt_token_ids) + len(s.completion_token_ids) for s, _ in trained
+            ),
             seconds=time.monotonic() - started,
             staleness_max=max(staleness),
             staleness_mean=statistics.fmean(staleness),

@@ -40,6 +40,9 @@ class StepReport:
     samples: int
     #: Samples with a non-zero advantage and a completion (the others carry no signal).
     trained_samples: int
+    #: Their tokens, prompt and completion: what the step's forward and
+    #: backward passes ran over.
+    trained_tokens: int
     seconds: float
     #: Staleness of the rows: the policy's version before the step minus the
     #: oldest version each row was generated under.

@@ -92,6 +92,8 @@ class TrainingRow:
     #: Samples the step learned from (a non-zero advantage): the step's work,
     #: which shrinks as groups agree (compare schedules by it).
     trained_samples: int
+    #: Their tokens (prompt and completion): the step's work in tokens.
+    trained_tokens: int
     generate_seconds: float
     reward_seconds: float
     train_seconds: float
@@ -123,6 +125,7 @@ class TrainingRow:
             reward_std=round(std, 4),
             samples=step.samples,
             trained_samples=step.trained_samples,
+            trained_tokens=step.trained_tokens,
             generate_seconds=report.seconds,
             reward_seconds=report.reward_seconds,
             train_seconds=round(step.seconds, 3),

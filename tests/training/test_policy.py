@@ -38,6 +38,7 @@ def test_micro_batches_give_the_step_of_one_batch(tiny_model):
     )
     a, b = whole.train_step(groups()), split.train_step(groups())
     assert a.trained_samples == b.trained_samples == 8
+    assert a.trained_tokens == b.trained_tokens == 4 * 3 + 4 * 2 + 2 * (2 + 5 + 8 + 11)
     assert abs(a.loss - b.loss) < 1e-6 and abs(a.grad_norm - b.grad_norm) < 1e-5
     for (name, p), (_, q) in zip(
         whole.model.named_parameters(), split.model.named_parameters(), strict=True

@@ -45,6 +45,7 @@ def step(reward: float, version: int = 1, mismatch: float | None = None) -> Step
         reward_std=0.1,
         samples=64,
         trained_samples=64,
+        trained_tokens=64 * 40,
         seconds=1.5,
         staleness_max=1,
         staleness_mean=0.5,
