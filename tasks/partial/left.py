@@ -2,9 +2,9 @@
 (`PartialPlan.keep_generating`), so the engines do not wait for the step.
 
 The groups the step did not take go on, on the version that started them;
-with `PartialPlan.start_next`, each of them that completes gives its place
-to one of the next iteration's new groups, so the engines keep as much work
-as the step began with until it ends, and the next iteration finds groups
+with `PartialPlan.start_next`, the places of their samples that are done go
+to the next iteration's new groups, so the engines keep as much work as the
+held groups make until the step ends, and the next iteration finds groups
 done. The flow stops it all before the sync (a vLLM segment runs under one
 version, so the sync must find the engines idle): the unfinished samples'
 tokens so far, and the next iteration's groups that were started, go into
@@ -54,13 +54,17 @@ class LeftRunning:
         next_groups: list[GroupState] = (),
     ) -> None:
         """Keep `runner`'s segments (of `groups`, the iteration's carry)
-        generating; start `next_groups`, in order, as running groups complete."""
+        generating; start `next_groups`, in order, in the places of the held
+        groups' samples that are done."""
         self._runner, self._carry, self._iteration = runner, carry, iteration
         self._groups, self._next, self._started = groups, list(next_groups), []
-        # As many samples running as the step began with, not more (a
-        # colocated policy shares the device with them): a group's place is
-        # taken by the next group once enough of its samples are done.
-        self._places = running_samples(groups)
+        # A place per sample of the held groups, done or not: the engines
+        # run no more beside the step than those groups would have (a
+        # colocated policy shares the device with them), and a sample done
+        # gives its place to the next groups. Counting only the samples
+        # running at the hold left the engines idle through the whole step
+        # whenever the held groups had completed before it.
+        self._places = sum(len(group.samples) for group in groups)
         runner.beside_the_step()
         self._last_answer, self._error = None, None
         self._stopping.clear()

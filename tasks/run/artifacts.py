@@ -33,8 +33,8 @@ def publish_training_table(rows: list[TrainingRow]) -> None:
     create_table_artifact(
         key=TRAINING_KEY,
         table=[asdict(row) for row in rows],
-        description="Per iteration: mean reward; the samples the step learned from; generate, "
-        "train and sync seconds; idle "
-        "seconds of the engines and the policy; staleness of the rows (versions) and the "
-        "policy/engine logprob mismatch; the weight sync that published the step.",
+        description="Per iteration: mean reward; the samples the step learned from and their "
+        "tokens; generate, train and sync seconds; idle seconds of the engines and the "
+        "policy; staleness of the rows (versions) and the policy/engine logprob mismatch; "
+        "the weight sync that published the step.",
     )

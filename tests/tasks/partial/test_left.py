@@ -86,6 +86,26 @@ def test_the_next_groups_start_in_the_places_of_those_that_complete(pool, tmp_pa
         assert all(s.segments == 1 and s.token_versions == [0] * SHORT for s in group.samples)
 
 
+def test_held_groups_complete_before_the_step_give_their_places_at_once(pool, tmp_path):
+    """The groups carried may all be complete when the step begins (the
+    engines ran ahead of the policy): their samples' places go to the next
+    groups at once, or the engines would idle through the step (one H200,
+    the long tail: 5.4-5.7 s of a step with nothing running)."""
+    held, short_group = groups(long=16)
+    kept = SegmentRunner(pool, TEXTS, SAMPLING, batch=2, timeout_s=300, abort_timeout_s=60)
+    kept.run([held, short_group], keep_running=True)
+    assert held.complete and not kept.flights
+    following = [new_group(slot) for slot in range(2)]
+    left = LeftRunning()
+    left.hold(kept, CarryStore(tmp_path), 0, [held], following)
+    wait_until(lambda: all(g.complete for g in following), 120, "the next groups to complete")
+    left.stop()
+    carried = CarryStore(tmp_path).load(0)
+    assert [(g.origin, g.slot) for g in carried] == [(0, 0), (1, 0), (1, 1)]
+    # The generation's two requests, then one of n for each next group.
+    assert kept.counts.sent == 2 + 2
+
+
 def test_no_next_group_starts_while_the_held_ones_keep_their_places(pool, tmp_path):
     """A held group still generating keeps its place: nothing of the next
     iteration starts, and the carry holds the held group alone, aborted
