@@ -156,10 +156,10 @@ def tolerance_for(dtypes: list[Any], logit_scale: float, layers: int) -> float:
     small-logit one less, where a tolerance by dtype name alone flagged
     correct bf16 syncs of the one and missed corruptions of the other."""
     worst = max(unit_roundoff(dtype) for dtype in dtypes)
-    return max(TOLERANCE_FLOOR, per_roundoff(logit_scale, layers) * worst)
+    return max(TOLERANCE_FLOOR, roundoff_bound(logit_scale, layers) * worst)
 
 
-def per_roundoff(logit_scale: float, layers: int) -> float:
+def roundoff_bound(logit_scale: float, layers: int) -> float:
     """`tolerance_for`'s bound per unit roundoff: K times the logit scale."""
     return ROUNDING_UNITS * math.sqrt(layers) * logit_scale
 
@@ -207,7 +207,7 @@ def reference(model: Any, vocab_size: int, dtype: Any, engine_dtype: Any = None)
         tokens,
         tuple(logprobs.gather(1, targets)[:, 0].tolist()),
         tolerance_for(dtypes, float(scale.mean()), layers),
-        per_roundoff(float(scale.mean()), layers),
+        roundoff_bound(float(scale.mean()), layers),
     )
 
 
