@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=25, help="profiler rows printed")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (the last is profiled), got {args.steps}")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (the last is profiled), got {args.steps}")
 
     import torch
     from torch.profiler import ProfilerActivity, profile

@@ -96,8 +96,8 @@ class TrainingParams(BaseModel):
     partial_start_next: bool = Field(
         False,
         description="partial, with partial_keep_generating: while the policy trains, the "
-        "next iteration's groups start in the places of the groups left running that "
-        "complete, on the version served, so the engines keep busy through the step. Their "
+        "next iteration's groups start in the places of the held groups' samples that are "
+        "done, on the version served, so the engines keep busy through the step. Their "
         "oldest tokens are then one version older (a group is due by its oldest token).",
     )
     weight_sync_probe: bool = Field(

@@ -33,21 +33,39 @@ def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> l
     for i, seq in enumerate(sequences):
         ids[i, : len(seq)] = torch.tensor(seq)
         real[i, : len(seq)] = True
+    real = real.to(device)
     mask = real.long()
-    if next(model.parameters()).dtype == torch.float32:
+    if _own_mask(model):
         # Given a batch without padding, transformers hands SDPA no mask and
         # `enable_gqa`, which only the flash kernel runs fused, in half
         # precision only: a float32 GQA policy's long samples, alone in their
         # micro-batches, fell back to the math kernel (S x S scores in
-        # memory). A 4D causal and padding mask, which transformers takes as
-        # is, gives every micro-batch the memory-efficient kernel the padded
-        # ones got.
-        causal = torch.ones((width, width), dtype=torch.bool).tril()
+        # memory). A 4D causal and padding mask (True: attend, as SDPA reads
+        # it), which transformers takes as is, gives every micro-batch the
+        # memory-efficient kernel the padded ones got.
+        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
         mask = (causal & real[:, None, :])[:, None]
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    logits = model(input_ids=ids.to(device), attention_mask=mask).logits.float()
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
     picked = logprobs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
     return [picked[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
+
+
+def _own_mask(model: Any) -> bool:
+    """Whether `token_logprobs` passes its own 4D mask: a float32 model on
+    SDPA with full attention in every layer. Eager attention adds a 4D mask
+    to its scores (a boolean one would mask nothing), and a prepared mask
+    would stand for sliding windows too: those keep transformers' own."""
+    import torch
+
+    config = model.config
+    layers = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return (
+        next(model.parameters()).dtype == torch.float32
+        and config._attn_implementation == "sdpa"
+        and getattr(config, "sliding_window", None) is None
+        and layers == {"full_attention"}
+    )
 
 
 def micro_batches(sequences: list[list[int]], max_tokens: int) -> list[list[int]]:

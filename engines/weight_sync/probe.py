@@ -46,9 +46,10 @@ class ProbeReference:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     tolerance: float
-    #: The tolerance per unit roundoff (`tolerance_for`'s K times the logit
-    #: scale), for an engine that rounds what it is sent more coarsely than
-    #: the dtypes the trainer knows (`tolerance_on`); 0: never looser.
+    #: The tolerance per unit roundoff (`roundoff_bound`: `tolerance_for`'s
+    #: K, c·sqrt(layers), times the logit scale), for an engine that rounds
+    #: what it is sent more coarsely than the dtypes the trainer knows
+    #: (`tolerance_on`); 0: never looser.
     per_roundoff: float = 0.0
 
     def __post_init__(self) -> None:
@@ -113,11 +114,11 @@ UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, 
 #: The unit roundoff standing for the rounding of a format an engine
 #: quantizes to on its own, which the trainer's reference, computed in its
 #: dtype, cannot see. vLLM's online "fp8" (e4m3: 3 mantissa bits, 2^-4 at
-#: worst; weights scaled per tensor, activations per token): its probe
-#: differences measured at most 0.64 of 2^-4 in the bound's units (the
-#: tiny model on CPU, tests/fp8_emulation.py; 0.44 in the GPU format
-#: matrix's FP8 engine), so 2^-5 keeps 2x room over them, as
-#: `ROUNDING_UNITS` does over bf16's.
+#: worst; weights scaled per tensor, activations per token): measured as
+#: bf16's c was (`ROUNDING_UNITS`), its c came to at most 0.73 at 2^-4
+#: (the tiny model on CPU over 20 syncs, tests/fp8_emulation.py; 0.44 in
+#: the GPU format matrix's FP8 engine), so 2^-5 with c = 2.6 leaves 1.8x
+#: room over the worst (bf16's: 2x).
 QUANTIZED_ROUNDOFF = {"fp8": 2.0**-5}
 #: K per square root of a layer (`tolerance_for`): the CPU measurement's
 #: worst, 1.3 (docs/weight_sync.md), with 2x room.
@@ -160,7 +161,8 @@ def tolerance_for(dtypes: list[Any], logit_scale: float, layers: int) -> float:
 
 
 def roundoff_bound(logit_scale: float, layers: int) -> float:
-    """`tolerance_for`'s bound per unit roundoff: K times the logit scale."""
+    """`tolerance_for`'s bound per unit roundoff: K = c·sqrt(layers) times
+    the logit scale."""
     return ROUNDING_UNITS * math.sqrt(layers) * logit_scale
 
 

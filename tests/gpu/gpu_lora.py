@@ -20,8 +20,7 @@ from gpu_helpers import (
     gpu_used_mib,
     logprob_distance,
 )
-from gpu_trainer import BF16Policy
-from policy_probes import PolicyProbes
+from gpu_trainer import BF16Policy, ship_by_value
 
 from engines.weight_sync.lora.sender import LOAD_PARTS
 
@@ -128,9 +127,7 @@ def start_lora_policy(pretrain: str, **options: Any):
 
     from training.config import PolicyConfig
 
-    # Ray workers cannot import tests/gpu nor tests/: these modules go by value.
-    for module in (__name__, BF16Policy.__module__, PolicyProbes.__module__):
-        ray.cloudpickle.register_pickle_by_value(sys.modules[module])
+    ship_by_value(sys.modules[__name__])
     config = PolicyConfig(
         pretrain=pretrain,
         device="cuda",

@@ -51,14 +51,22 @@ class BF16Policy(PolicyProbes, ReferencePolicy):
         client.finish_weight_update()
 
 
+def ship_by_value(*modules: Any) -> None:
+    """Ray pickles classes by reference and its workers cannot import this
+    directory (tests/gpu) nor tests/: the trainer's modules, and `modules`,
+    go by value instead."""
+    import ray
+
+    for module in (sys.modules[__name__], sys.modules[PolicyProbes.__module__], fp8_emulation):
+        ray.cloudpickle.register_pickle_by_value(module)
+    for module in modules:
+        ray.cloudpickle.register_pickle_by_value(module)
+
+
 def start_bf16_policy(pretrain: str, **options: Any):
     """BF16Policy as a Ray actor (`options`: num_gpus, scheduling_strategy, ...)."""
     import ray
 
-    # Ray pickles classes by reference and its workers cannot import this
-    # directory (tests/gpu) nor tests/: ship these modules' code by value instead.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.cloudpickle.register_pickle_by_value(sys.modules[PolicyProbes.__module__])
-    ray.cloudpickle.register_pickle_by_value(fp8_emulation)
+    ship_by_value()
     config = PolicyConfig(pretrain=pretrain, device="cuda", sync_timeout_s=120.0)
     return ray.remote(BF16Policy).options(max_restarts=0, **options).remote(config.model_dump())

@@ -29,9 +29,14 @@ def test_advantages_are_normalised_within_the_group():
         group_advantages([])
 
 
-def test_right_padded_logprobs_equal_unpadded_forwards(tiny_model):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_right_padded_logprobs_equal_unpadded_forwards(tiny_model, attention):
+    """On SDPA a float32 model gets `token_logprobs`' own 4D mask; eager
+    attention, which adds a 4D mask to its scores, keeps transformers' own."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation=attention
+    ).eval()
     sequences = [[5, 9, 200, 31, 7, 8], [44, 2, 3]]
     with torch.no_grad():
         batched = token_logprobs(model, sequences, pad_id=0)

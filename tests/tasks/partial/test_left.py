@@ -1,6 +1,6 @@
 """What a partial iteration leaves generating beside the policy step, on
 real CPU engine actors: the engines' busy time the flow counts idle from,
-the next iteration's groups started in the places of those that complete,
+the next iteration's groups started in the places of the held samples done,
 and the carry the stop writes."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def test_what_runs_beside_the_step_outlives_the_deadline_it_was_sent_with(pool, 
 
 
 def test_the_next_groups_start_in_the_places_of_those_that_complete(pool, tmp_path):
-    """A group left running that completes gives its place to the next
-    iteration's groups, one after another, on the version served; the stop
+    """The held group's samples, as they are done, give their places to the
+    next iteration's groups, one after another, on the version served; the stop
     carries the held groups, then the next ones that started (not the rest)."""
     held, short_group = groups(long=48)
     kept = runner(pool)
