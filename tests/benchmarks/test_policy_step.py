@@ -1,0 +1,44 @@
+"""The policy-step benchmark (benchmarks/policy_step.py) on the CPU: its
+groups have the long tail's shape, and a run prints and writes its figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import policy_step
+from training.long_tail import make_rows
+from training.rollouts import RolloutGroup
+
+
+def test_the_groups_are_the_long_tails_rows_each_sample_its_rows_length():
+    groups = policy_step.make_groups(prompts=20, n=3, scale=32, seed=1, vocab=259)
+    rows = make_rows(20, seed=1, scale=32)
+    assert len(groups) == 20
+    for group, row in zip(groups, rows, strict=True):
+        RolloutGroup.model_validate(group)  # what train_step takes
+        lengths = {len(s["completion_token_ids"]) for s in group["samples"]}
+        assert lengths == {row["max_tokens"]} and len(group["samples"]) == 3
+
+
+def test_a_run_on_the_cpu_writes_its_step_times(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    policy_step.main(
+        ["--scale", "32", "--prompts", "4", "--n", "2", "--steps", "1", "--rows", "3"]
+        + ["--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and len(result["steps_s"]) == 1
+    groups = policy_step.make_groups(4, 2, 32, 0, vocab=259)
+    assert result["tokens"] == sum(
+        len(s["prompt_token_ids"]) + len(s["completion_token_ids"])
+        for g in groups
+        for s in g["samples"]
+    )
+    assert "Self CPU time total" in capsys.readouterr().out  # the profiler's table
+
+
+def test_no_steps_is_refused():
+    with pytest.raises(SystemExit):
+        policy_step.main(["--steps", "0"])
