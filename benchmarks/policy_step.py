@@ -68,8 +68,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1 (the last is profiled), got {args.steps}")
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1 (the last is profiled), got {args.steps}")
 
     import torch
     from torch.profiler import ProfilerActivity, profile

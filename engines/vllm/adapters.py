@@ -203,10 +203,9 @@ class VllmAdapters(AdapterStore):
         so the second sync refills as later ones do instead of building. It
         is registered once (vLLM merges its packed modules and scales its
         lora_B then), removed, and refilled once, so that the first refill's
-        one-time costs fall here too: on one H200 the second sync's build
-        took 10.7 ms and the third sync's first refill 9.7 ms, later refills
-        0.4-0.5 ms (docs/weight_sync.md). None when vLLM's cache has no room
-        for it beside this version (it would evict an adapter in use)."""
+        one-time costs fall here too, not in a later sync (their figures:
+        docs/weight_sync.md, LoRA adapters). None when vLLM's cache has no
+        room for it beside this version (it would evict an adapter in use)."""
         adapters = self.adapters
         if len(adapters.list_adapters()) >= adapters.capacity:
             return None

@@ -7,7 +7,6 @@ import sys
 from typing import Any
 
 import fp8_emulation
-from fp8_emulation import fp8_computed
 from policy_probes import PolicyProbes
 
 from engines.weight_sync.formats import ipc_handles as ipc
@@ -32,7 +31,7 @@ class BF16Policy(PolicyProbes, ReferencePolicy):
     def fp8_sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """`sequence_logprobs` as vLLM 0.26's online FP8 computes them on an
         H200 (tests/fp8_emulation.py)."""
-        with fp8_computed(self.model):
+        with fp8_emulation.fp8_computed(self.model):
             return self.sequence_logprobs(sequences)
 
     def sync_with_vllm_api(self, engines: list[Any], packed: bool = False) -> None:
@@ -57,9 +56,8 @@ def ship_by_value(*modules: Any) -> None:
     go by value instead."""
     import ray
 
-    for module in (sys.modules[__name__], sys.modules[PolicyProbes.__module__], fp8_emulation):
-        ray.cloudpickle.register_pickle_by_value(module)
-    for module in modules:
+    own = (sys.modules[__name__], sys.modules[PolicyProbes.__module__], fp8_emulation)
+    for module in own + modules:
         ray.cloudpickle.register_pickle_by_value(module)
 
 

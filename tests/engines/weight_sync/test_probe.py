@@ -227,7 +227,7 @@ def test_an_fp8_engine_has_no_false_alarm_and_a_corruption_still_caught(tiny_mod
         ].flip(0)
 
     with pytest.raises(ProbeMismatchError, match="differ from the trainer's"):
-        asyncio.run(check(ModelHost(engine, "fp8"), step_and_sync(flip_rows), "flipped rows"))
+        asyncio.run(check(fp8, step_and_sync(flip_rows), "flipped rows"))
 
 
 def test_a_float32_trainer_sending_bf16_has_a_scaled_weight_caught(tiny_model):
