@@ -20,7 +20,8 @@ class PolicyProbes:
         import torch
 
         with torch.no_grad():
-            return [t.tolist() for t in token_logprobs(self.model, sequences, self.pad_id)]
+            rows = token_logprobs(self.model, sequences, self.pad_id)
+        return [row[: len(seq) - 1].tolist() for row, seq in zip(rows, sequences, strict=True)]
 
     def read_weights(self, names: list[str]) -> dict[str, Any]:
         params = dict(self.model.named_parameters())

@@ -20,10 +20,12 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     return [(r - mean) / (std + eps) for r in rewards]
 
 
-def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> list[Any]:
-    """For each sequence, the logprob of tokens 1..n-1 given their prefix
-    (position t's logits predict token t+1), as a 1-D tensor with grad.
-    Right padding: real tokens keep positions 0..n-1, as in an unpadded forward."""
+def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> Any:
+    """The logprob of each token given its prefix, with grad, as one
+    (sequences, longest - 1) tensor: row i's first len(sequences[i]) - 1
+    entries are its tokens 1..n-1 (position t's logits predict token t+1),
+    the rest padding. Right padding: real tokens keep positions 0..n-1, as in
+    an unpadded forward."""
     import torch
 
     device = next(model.parameters()).device
@@ -47,8 +49,7 @@ def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> l
         mask = (causal & real[:, None, :])[:, None]
     logits = model(input_ids=ids.to(device), attention_mask=mask).logits.float()
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
-    picked = logprobs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
-    return [picked[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
+    return logprobs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
 
 
 def _own_mask(model: Any) -> bool:
@@ -88,10 +89,15 @@ def micro_batches(sequences: list[list[int]], max_tokens: int) -> list[list[int]
     return batches
 
 
-def clipped_loss(new: Any, old: Any, advantage: float, clip_eps: float, weight: Any = None) -> Any:
-    """PPO's clipped surrogate for one sample, averaged over its tokens,
-    each token's term times `weight` (none: 1). With `old == new.detach()`
-    (strictly on-policy) it is REINFORCE with a baseline."""
+def clipped_loss(
+    new: Any, old: Any, advantage: Any, clip_eps: float, weight: Any = None, mask: Any = None
+) -> Any:
+    """PPO's clipped surrogate averaged over a sample's tokens, each token's
+    term times `weight` (none: 1). Over the last dimension: a 1-D sample
+    gives a scalar; a (samples, tokens) batch gives one loss per sample,
+    averaged over the tokens where `mask` holds (`advantage` then one per
+    sample, shaped (samples, 1)). With `old == new.detach()` (strictly
+    on-policy) it is REINFORCE with a baseline."""
     import torch
 
     ratio = torch.exp(new - old)
@@ -100,7 +106,11 @@ def clipped_loss(new: Any, old: Any, advantage: float, clip_eps: float, weight: 
     surrogate = torch.minimum(unclipped, clipped)
     if weight is not None:
         surrogate = surrogate * weight
-    return -surrogate.mean()
+    if mask is None:
+        return -surrogate.mean(-1)
+    # where, not a product: a padded position's value never reaches the sum
+    # or its gradient.
+    return -torch.where(mask, surrogate, 0.0).sum(-1) / mask.sum(-1)
 
 
 def truncated_is_weights(proximal: Any, behaviour: Any, cap: float) -> Any:

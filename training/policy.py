@@ -15,15 +15,9 @@ from typing import Any
 from engines.weight_sync import LoraSpec, LoraSync
 from engines.weight_sync.probe import ProbeReference, reference
 from training.config import PolicyConfig
-from training.grpo import (
-    clipped_loss,
-    group_advantages,
-    k3_kl,
-    micro_batches,
-    token_logprobs,
-    truncated_is_weights,
-)
-from training.rollouts import RolloutGroup, RolloutSample, StaleRolloutError
+from training.grpo import group_advantages, micro_batches, token_logprobs
+from training.loss import OffPolicyStats, micro_batch_loss
+from training.rollouts import RolloutGroup, StaleRolloutError
 from training.sync_buffer import SyncBuffer
 from training.trainer import StepReport, Trainer
 
@@ -80,30 +74,16 @@ def tf32_matmuls(device: Any) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
-class OffPolicyStats:
-    """Per-token sums over a step's samples with behaviour logprobs: the
-    train/inference mismatch and the importance weights."""
+def alloc_retries(device: Any) -> int:
+    """How often torch's CUDA allocator has failed to allocate, freed its
+    cache and tried again on `device` (0 off CUDA): each retry waits for the
+    GPU and gives memory back to the driver, so a step that retries runs far
+    slower, with nothing else in its figures to say why."""
+    import torch
 
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.abs_diff = self.kl = self.weights = self.truncated = 0.0
-
-    def add(self, proximal: Any, behaviour: Any, weight: Any, cap: float) -> None:
-        self.tokens += proximal.numel()
-        self.abs_diff += float((proximal - behaviour).abs().sum())
-        self.kl += float(k3_kl(proximal, behaviour).sum())
-        self.weights += float(weight.sum())
-        self.truncated += float((weight >= cap).sum())
-
-    def report(self) -> dict[str, float | None]:
-        if not self.tokens:
-            return {}
-        return {
-            "logprob_mismatch": self.abs_diff / self.tokens,
-            "kl_k3": self.kl / self.tokens,
-            "is_weight_mean": self.weights / self.tokens,
-            "is_truncated_fraction": self.truncated / self.tokens,
-        }
+    if getattr(device, "type", device) != "cuda":
+        return 0
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 class ReferencePolicy(Trainer):
@@ -204,6 +184,7 @@ class ReferencePolicy(Trainer):
         import torch
 
         started = time.monotonic()
+        retries = alloc_retries(self.device)
         groups = [RolloutGroup.model_validate(g) for g in groups]
         if not groups:
             raise ValueError("train_step needs at least one rollout group")
@@ -226,16 +207,24 @@ class ReferencePolicy(Trainer):
             sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
             # The loss is the mean over every trained sample, its gradient
             # accumulated over micro-batches: activations for one at a time.
+            # Nothing is read back until the step ends, so the CPU queues the
+            # micro-batches while the GPU runs the ones before.
+            losses = []
             with tf32_matmuls(self.device):
                 for batch in micro_batches(sequences, self.config.micro_batch_tokens):
-                    per_seq = token_logprobs(self.model, [sequences[i] for i in batch], self.pad_id)
-                    losses = [
-                        self._sample_loss(*trained[i], logprobs, off_policy)
-                        for i, logprobs in zip(batch, per_seq, strict=True)
-                    ]
-                    loss = torch.stack(losses).sum() / len(trained)
+                    rows = [sequences[i] for i in batch]
+                    logprobs = token_logprobs(self.model, rows, self.pad_id)
+                    loss = micro_batch_loss(
+                        [trained[i] for i in batch],
+                        logprobs,
+                        clip_eps=self.config.clip_eps,
+                        tis_cap=self.config.tis_cap,
+                        off_policy=off_policy,
+                    )
+                    loss = loss.sum() / len(trained)
                     loss.backward()
-                    loss_value += float(loss.detach())
+                    losses.append(loss.detach())
+            loss_value = float(torch.stack(losses).sum())
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             )
@@ -243,6 +232,14 @@ class ReferencePolicy(Trainer):
         # Every step makes a new version, even one without signal: what the
         # engines serve is then unambiguous.
         self.weight_version += 1
+        if retried := alloc_retries(self.device) - retries:
+            logger.warning(
+                "step %d: the CUDA allocator ran out of memory and retried %d times "
+                "(engines on the same GPU hold the rest?): lower micro_batch_tokens "
+                "or the engines' gpu_memory_utilization",
+                self.weight_version,
+                retried,
+            )
         return StepReport(
             version=self.weight_version,
             loss=loss_value,
@@ -259,26 +256,6 @@ class ReferencePolicy(Trainer):
             staleness_mean=statistics.fmean(staleness),
             **off_policy.report(),
         )
-
-    def _sample_loss(
-        self, sample: RolloutSample, advantage: float, logprobs: Any, off_policy: OffPolicyStats
-    ) -> Any:
-        """One sample's clipped loss over its sampled tokens only: the
-        response stream's environment and template tokens (loss mask 0) are
-        context for the forward, with no loss, no importance weight and no
-        share of the mean."""
-        import torch
-
-        new = logprobs[len(sample.prompt_token_ids) - 1 :]
-        keep = torch.tensor(sample.mask, dtype=torch.bool, device=new.device)
-        new = new[keep]
-        proximal = new.detach()
-        weight = None
-        if sample.logprobs is not None:
-            behaviour = torch.tensor(sample.logprobs, device=new.device)[keep]
-            weight = truncated_is_weights(proximal, behaviour, self.config.tis_cap)
-            off_policy.add(proximal, behaviour, weight, self.config.tis_cap)
-        return clipped_loss(new, proximal, advantage, self.config.clip_eps, weight)
 
     def _check_fresh(self, groups: list[RolloutGroup]) -> None:
         oldest = min(s.oldest_version for g in groups for s in g.samples)

@@ -40,10 +40,11 @@ def test_right_padded_logprobs_equal_unpadded_forwards(tiny_model, attention):
     sequences = [[5, 9, 200, 31, 7, 8], [44, 2, 3]]
     with torch.no_grad():
         batched = token_logprobs(model, sequences, pad_id=0)
-        for seq, got in zip(sequences, batched, strict=True):
+        assert batched.shape == (2, 5)
+        for seq, row in zip(sequences, batched, strict=True):
+            got = row[: len(seq) - 1]
             logits = model(input_ids=torch.tensor([seq])).logits[0, :-1]
             expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])
-            assert got.shape == (len(seq) - 1,)
             torch.testing.assert_close(got, expected[:, 0], atol=1e-5, rtol=0)
             # Alone, without padding (a long sample's micro-batch): the same.
             (alone,) = token_logprobs(model, [seq], pad_id=0)

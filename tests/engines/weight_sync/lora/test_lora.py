@@ -164,7 +164,8 @@ def perturb_adapter(policy: ReferencePolicy, seed: int) -> int:
 
 def logprobs_of(model) -> list[list[float]]:
     with torch.no_grad():
-        return [t.tolist() for t in token_logprobs(model, SEQUENCES, 0)]
+        rows = token_logprobs(model, SEQUENCES, 0)
+    return [row[: len(s) - 1].tolist() for row, s in zip(rows, SEQUENCES, strict=True)]
 
 
 def engine_logprobs(engine) -> tuple[list[list[float]], int]:
