@@ -17,7 +17,7 @@ from engines.weight_sync.probe import ProbeReference, reference
 from training.config import PolicyConfig
 from training.grpo import group_advantages, micro_batches, token_logprobs
 from training.loss import OffPolicyStats, micro_batch_loss
-from training.rollouts import RolloutGroup, StaleRolloutError
+from training.rollouts import RolloutGroup, RolloutSample, StaleRolloutError
 from training.sync_buffer import SyncBuffer
 from training.trainer import StepReport, Trainer
 
@@ -181,8 +181,6 @@ class ReferencePolicy(Trainer):
         token's term is weighted by min(pi_proximal / pi_behaviour, tis_cap)
         when the row carries the engine's (behaviour) logprobs, which corrects
         rows sampled by an older version or by the engine's numerics."""
-        import torch
-
         started = time.monotonic()
         retries = alloc_retries(self.device)
         groups = [RolloutGroup.model_validate(g) for g in groups]
@@ -200,35 +198,8 @@ class ReferencePolicy(Trainer):
             for s, a in zip(samples, advantages, strict=True)
             if a != 0.0 and s.sampled_tokens
         ]
-        loss_value, grad_norm = 0.0, 0.0
         off_policy = OffPolicyStats()
-        if trained:
-            self.optimizer.zero_grad(set_to_none=True)
-            sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
-            # The loss is the mean over every trained sample, its gradient
-            # accumulated over micro-batches: activations for one at a time.
-            # Nothing is read back until the step ends, so the CPU queues the
-            # micro-batches while the GPU runs the ones before.
-            losses = []
-            with tf32_matmuls(self.device):
-                for batch in micro_batches(sequences, self.config.micro_batch_tokens):
-                    rows = [sequences[i] for i in batch]
-                    logprobs = token_logprobs(self.model, rows, self.pad_id)
-                    loss = micro_batch_loss(
-                        [trained[i] for i in batch],
-                        logprobs,
-                        clip_eps=self.config.clip_eps,
-                        tis_cap=self.config.tis_cap,
-                        off_policy=off_policy,
-                    )
-                    loss = loss.sum() / len(trained)
-                    loss.backward()
-                    losses.append(loss.detach())
-            loss_value = float(torch.stack(losses).sum())
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            )
-            self.optimizer.step()
+        loss_value, grad_norm = self._update(trained, off_policy) if trained else (0.0, 0.0)
         # Every step makes a new version, even one without signal: what the
         # engines serve is then unambiguous.
         self.weight_version += 1
@@ -256,6 +227,40 @@ class ReferencePolicy(Trainer):
             staleness_mean=statistics.fmean(staleness),
             **off_policy.report(),
         )
+
+    def _update(
+        self, trained: list[tuple[RolloutSample, float]], off_policy: OffPolicyStats
+    ) -> tuple[float, float]:
+        """One optimizer step on the mean loss of `trained` (samples with
+        their advantages); returns the loss and the gradient's norm."""
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        sequences = [s.prompt_token_ids + s.completion_token_ids for s, _ in trained]
+        # The loss is the mean over every trained sample, its gradient
+        # accumulated over micro-batches: activations for one at a time.
+        # Nothing is read back until the step ends, so the CPU queues the
+        # micro-batches while the GPU runs the ones before.
+        losses = []
+        with tf32_matmuls(self.device):
+            for batch in micro_batches(sequences, self.config.micro_batch_tokens):
+                logprobs = token_logprobs(self.model, [sequences[i] for i in batch], self.pad_id)
+                loss = micro_batch_loss(
+                    [trained[i] for i in batch],
+                    logprobs,
+                    clip_eps=self.config.clip_eps,
+                    tis_cap=self.config.tis_cap,
+                    off_policy=off_policy,
+                )
+                loss = loss.sum() / len(trained)
+                loss.backward()
+                losses.append(loss.detach())
+        loss_value = float(torch.stack(losses).sum())
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        )
+        self.optimizer.step()
+        return loss_value, grad_norm
 
     def _check_fresh(self, groups: list[RolloutGroup]) -> None:
         oldest = min(s.oldest_version for g in groups for s in g.samples)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -162,3 +164,29 @@ def test_a_step_whose_allocations_retried_says_so(tiny_model, monkeypatch, caplo
         policy.train_step(groups())
     assert "step 2: the CUDA allocator ran out of memory and retried 3 times" in caplog.text
     assert alloc_retries(torch.device("cpu")) == 0
+
+
+def test_a_step_reads_back_three_values_whatever_its_samples(tiny_model, monkeypatch):
+    """On a GPU every value read back waits for the queued kernels: the
+    step's own code reads its loss, its gradient norm and its off-policy
+    sums once each, however many samples and micro-batches it has (it read
+    four sums per sample, so the CPU could not run ahead of the GPU)."""
+    policy = ReferencePolicy(PolicyConfig(pretrain=tiny_model, micro_batch_tokens=16))
+    made = groups()
+    for group in made:
+        for sample in group.samples:
+            sample.logprobs = [-1.0] * len(sample.completion_token_ids)
+    reads = []
+    for name in ("__float__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("training."):
+                reads.append(caller)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    report = policy.train_step(made)
+    assert report.trained_samples == 8 and report.logprob_mismatch is not None
+    assert len(reads) == 3, reads
