@@ -55,12 +55,15 @@ def train_on_rollouts(
         "" if step.logprob_mismatch is None else f", logprob mismatch {step.logprob_mismatch:.4f}"
     )
     logger.info(
-        "iteration %d: mean reward %.4f over %d samples (staleness <= %d%s); policy at v%d",
+        "iteration %d: mean reward %.4f over %d samples (staleness <= %d%s); "
+        "step %.2f s over %d tokens; policy at v%d",
         iteration,
         step.mean_reward,
         step.samples,
         step.staleness_max,
         mismatch,
+        step.seconds,
+        step.trained_tokens,
         step.version,
     )
     return step
