@@ -56,15 +56,22 @@ def newest_version_reward(run_dir: Path, iteration: int) -> NewestReward:
     return NewestReward(reward, len(newest), len(rows), tuple(r["prompt"] for r in newest))
 
 
-def reward_on_prompts(run_dir: Path, iteration: int, prompts: list[str]) -> float | None:
-    """The mean reward of iteration `iteration`'s rows of `prompts` (one
-    entry per row wanted: a prompt listed twice weighs twice)."""
+def prompt_rewards(run_dir: Path, iteration: int) -> dict[str, float]:
+    """Iteration `iteration`'s mean reward per prompt (rows without one left
+    out): kept in the benchmark's JSON, so that runs of other calls can be
+    read against it without their rows."""
     by_prompt: dict[str, list[float]] = {}
     for row in read_rows(run_dir / f"iter-{iteration:03d}"):
         if row["reward"] is not None:
             by_prompt.setdefault(row["prompt"], []).append(row["reward"])
-    means = [sum(r) / len(r) for p in prompts if (r := by_prompt.get(p))]
-    return sum(means) / len(means) if means else None
+    return {prompt: sum(r) / len(r) for prompt, r in by_prompt.items()}
+
+
+def reward_on_prompts(means: dict[str, float], prompts: list[str]) -> float | None:
+    """The mean over `prompts` (one entry per row wanted: a prompt listed
+    twice weighs twice) of their `prompt_rewards`."""
+    found = [means[p] for p in prompts if p in means]
+    return sum(found) / len(found) if found else None
 
 
 def check_rows(run_dir: Path, iterations: int, rows_per_iteration: int, bound: int) -> RowChecks:

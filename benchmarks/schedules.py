@@ -197,7 +197,7 @@ def params_for(
 
 
 def run_one(params, schedule: str) -> dict:
-    from benchmarks.row_checks import check_rows, newest_version_reward
+    from benchmarks.row_checks import check_rows, newest_version_reward, prompt_rewards
     from flows.rollout import rollout
 
     state = rollout(params, return_state=True)
@@ -237,6 +237,8 @@ def run_one(params, schedule: str) -> dict:
         "reward_last_newest": newest.reward,
         "rows_last_newest": [newest.rows, newest.of],
         "prompts_last_newest": list(newest.prompts),
+        # For another run's newest rows, read against this one's on their prompts.
+        "reward_last_by_prompt": prompt_rewards(Path(summary.output_dir), len(rows) - 1),
         "run_dir": str(summary.output_dir),
         "staleness_max": max(row.staleness_max for row in rows),
         # The training work done: a step skips samples whose group agreed, so
@@ -412,7 +414,7 @@ def spread(results: list[dict]) -> str | None:
             # Those rows lean to the short prompts: sync's rows of the same
             # prompts are the like-for-like figure.
             matched = reward_on_prompts(
-                Path(same_seed["run_dir"]), same_seed["steps"] - 1, r["prompts_last_newest"]
+                same_seed.get("reward_last_by_prompt", {}), r["prompts_last_newest"]
             )
             line += f"; sync seed {r['seed']} on the same prompts: {fmt(matched)}"
         lines.append(line)

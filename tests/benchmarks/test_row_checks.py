@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.row_checks import newest_version_reward, reward_on_prompts
+from benchmarks.row_checks import newest_version_reward, prompt_rewards, reward_on_prompts
 
 
 def write_iteration(run_dir, iteration: int, rows: list[dict]) -> None:
@@ -50,5 +50,7 @@ def test_another_run_is_read_on_the_same_prompts_each_as_often(tmp_path):
         [row("a", [1], 1.0), row("a", [1], 0.5), row("b", [1], 0.0), row("c", [1], None)],
     )
     # a's rows average 0.75; b counts twice; c has no reward; d is not there.
-    assert reward_on_prompts(tmp_path, 1, ["a", "b", "b", "c", "d"]) == (0.75 + 0 + 0) / 3
-    assert reward_on_prompts(tmp_path, 1, ["d"]) is None
+    means = prompt_rewards(tmp_path, 1)
+    assert means == {"a": 0.75, "b": 0.0}
+    assert reward_on_prompts(means, ["a", "b", "b", "c", "d"]) == (0.75 + 0 + 0) / 3
+    assert reward_on_prompts(means, ["d"]) is None
