@@ -30,7 +30,11 @@ class SessionAbort(EngineWeights):
         """End the open sync without committing: restore the backup or mark the
         engine stale, then resume. Idempotent (no session: nothing to do)."""
         if self.open is None:
-            return Aborted(self.name, False, self.host.stale, self.host.weight_version)
+            # A failed receive aborts its sync itself and restores under the
+            # lock: answer once that is done, with the engine as the restore
+            # leaves it (marked stale until then).
+            async with self._lock:
+                return Aborted(self.name, False, self.host.stale, self.host.weight_version)
         return await self._abort(self.open, reason)
 
     async def _expire(self, session: OpenSync) -> None:

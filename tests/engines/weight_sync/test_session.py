@@ -152,23 +152,33 @@ def test_a_silent_trainer_is_aborted_by_the_watchdog(engine):
 
 
 class BlockingWorker(FakeWorker):
-    """Holds its load until released: an abort arrives while the receive is in flight."""
+    """Holds its method `blocks` until released: an abort arrives while the
+    receive (or the restore after it) is in flight."""
 
-    def __init__(self, model):
+    def __init__(self, model, blocks: str):
         super().__init__(model)
+        self.blocks = blocks
         self.entered, self.release = threading.Event(), threading.Event()
 
+    def _hold(self, method: str) -> None:
+        if method == self.blocks:
+            self.entered.set()
+            assert self.release.wait(10)
+
     def load_weights_from_path(self, path: str, verify: bool = True) -> dict:
-        self.entered.set()
-        assert self.release.wait(10)
+        self._hold("load_weights_from_path")
         return super().load_weights_from_path(path, verify)
+
+    def end_weight_sync(self, restore: bool, failed: bool = False) -> dict:
+        self._hold("end_weight_sync")
+        return super().end_weight_sync(restore, failed)
 
 
 @pytest.mark.parametrize("on_failure", ["stale", "restore"])
 def test_abort_during_a_receive_waits_for_it(new_weights, on_failure):
     path, _ = new_weights
     engine = FakeEngine(model(0))
-    worker = engine.worker = BlockingWorker(engine.worker.model)
+    worker = engine.worker = BlockingWorker(engine.worker.model, "load_weights_from_path")
     before = state(worker.model)
 
     async def sync():
@@ -191,6 +201,35 @@ def test_abort_during_a_receive_waits_for_it(new_weights, on_failure):
     else:
         assert not aborted.restored and engine.stale
     assert (engine.weight_version, engine.paused) == (0, False)
+
+
+def test_the_trainers_abort_waits_for_the_engines_own(new_weights, tmp_path):
+    """A receive that fails aborts its sync itself (a broadcast whose peer
+    died); the trainer's abort then finds no sync open, and must still
+    answer with the engine as the restore leaves it, not as it stands
+    part-way (marked stale until the backup is back)."""
+    engine = FakeEngine(model(0))
+    worker = engine.worker = BlockingWorker(engine.worker.model, "end_weight_sync")
+    before = state(worker.model)
+    bad = partial_checkpoint(tmp_path, new_weights)
+
+    async def sync():
+        await engine.begin_weight_sync(1, None, on_failure="restore")
+        receive = asyncio.create_task(engine.load_weights_from_path(bad))
+        assert await asyncio.to_thread(worker.entered.wait, 10)  # restoring
+        abort = asyncio.create_task(engine.abort_weight_sync("a peer died"))
+        for _ in range(20):  # every chance to answer early, without a clock
+            await asyncio.sleep(0)
+        assert not abort.done()
+        worker.release.set()
+        with pytest.raises(WeightSyncError, match="zzz.not_in_model"):
+            await receive
+        return await abort
+
+    aborted = run(sync())
+    assert not aborted.stale and aborted.version == 0
+    assert_state(engine.worker.model, before)
+    assert (engine.weight_version, engine.stale, engine.paused) == (0, False, False)
 
 
 def test_begin_and_receive_with_commit_serves_the_new_version_in_one_call(engine, new_weights):
