@@ -202,14 +202,15 @@ def reference(model: Any, vocab_size: int, dtype: Any, engine_dtype: Any = None)
     logits, targets = _probe_logits(model, tokens)
     logprobs = torch.log_softmax(logits, -1)
     # |z_t| + sum_j p_j |z_j| at each position, averaged (tolerance_for).
-    scale = logits.abs().gather(1, targets)[:, 0] + (logprobs.exp() * logits.abs()).sum(-1)
+    per_position = logits.abs().gather(1, targets)[:, 0] + (logprobs.exp() * logits.abs()).sum(-1)
+    scale = float(per_position.mean())
     dtypes = [next(model.parameters()).dtype, dtype, engine_dtype or dtype]
     layers = model.config.num_hidden_layers
     return ProbeReference(
         tokens,
         tuple(logprobs.gather(1, targets)[:, 0].tolist()),
-        tolerance_for(dtypes, float(scale.mean()), layers),
-        roundoff_bound(float(scale.mean()), layers),
+        tolerance_for(dtypes, scale, layers),
+        roundoff_bound(scale, layers),
     )
 
 
