@@ -125,10 +125,11 @@ def test_a_bad_next_group_ends_the_run_at_the_stop_with_the_carry_written(pool, 
     """A request no engine can serve (an empty prompt) is no engine's
     failure: the stop still writes the carry, then raises it."""
     held, short_group = groups(long=16)
-    kept = SegmentRunner(pool, [*TEXTS, ""], SAMPLING, batch=1, timeout_s=300, abort_timeout_s=60)
-    # The held group's 16 tokens may be done before the run returns (an
-    # engine slower on the short group): either way its places are taken.
-    assert short_group in kept.run([held, short_group], keep_running=True)
+    # A batch of both: the run returns with the held group done, whichever
+    # engine is faster (with a batch of one either group could be first).
+    kept = SegmentRunner(pool, [*TEXTS, ""], SAMPLING, batch=2, timeout_s=300, abort_timeout_s=60)
+    kept.run([held, short_group], keep_running=True)
+    assert held.complete and not kept.flights
     left = LeftRunning()
     left.hold(kept, CarryStore(tmp_path), 0, [held], [new_group(0, prompt_index=2)])
     wait_until(lambda: kept.counts.sent == 3, 120, "the next group to be sent")
