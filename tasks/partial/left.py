@@ -83,8 +83,9 @@ class LeftRunning:
                     running += len(group.samples)
                 if not runner.flights:
                     return
-                if runner.collect_one(STOP_CHECK_S):
-                    self._last_answer = time.monotonic()
+                answered = runner.collect_one(STOP_CHECK_S)
+                if answered is not None:
+                    self._last_answer = answered
         except BaseException as exc:  # read at the stop, in the flow's thread
             self._error = exc
 

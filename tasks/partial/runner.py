@@ -149,13 +149,15 @@ class SegmentRunner:
         deadline = time.monotonic() + self.timeout_s if self.deadlines else math.inf
         self.flights[ref] = Segment(group, samples, engine, restarts, deadline)
 
-    def collect_one(self, slice_s: float | None = None) -> bool:
+    def collect_one(self, slice_s: float | None = None) -> float | None:
         """Take the next answer, waiting at most until the first deadline (or
-        `slice_s`); whether one came."""
+        `slice_s`); when it came (`time.monotonic`, read before it is
+        absorbed: a sample is complete only after its answer), None if none."""
         wait_s = max(0.0, min(f.deadline for f in self.flights.values()) - time.monotonic())
         if slice_s is not None:
             wait_s = min(wait_s, slice_s)
         ready, _ = ray.wait(list(self.flights), num_returns=1, timeout=wait_s)
+        answered = time.monotonic() if ready else None
         for ref in ready:
             flight = self.flights[ref]
             try:
@@ -172,7 +174,7 @@ class SegmentRunner:
             name = self.pool.name(flight.engine)
             error = EngineTimeoutError(f"{name} did not answer within {self.timeout_s:g}s", name)
             self.lose_engine(flight.engine, flight.restarts, error)
-        return bool(ready)
+        return answered
 
     def absorb(self, flight: Segment, output: Any) -> None:
         group, unfinished = flight.group, []
