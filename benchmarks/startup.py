@@ -196,9 +196,7 @@ def child_ours(args) -> dict:
         destroy_engines(engines)
         ray.shutdown()
     phases = {"placement group (create_vllm_engines)": created - begin}
-    phases["Ray worker start (to the actor's first import)"] = report.imports_started - created
-    phases.update({f"actor: {p.name}": p.seconds for p in report.phases})
-    phases["ready() answered"] = ready - report.ready_at
+    phases.update(actor_phases(report, created, ready))
     return {
         "ready_s": ready - begin,
         "ray_init_s": ray_s,
@@ -207,6 +205,15 @@ def child_ours(args) -> dict:
         "fork_wait_s": report.fork_wait_s,
         "first_request_s": first - ready,
     }
+
+
+def actor_phases(report, created: float, ready: float) -> dict[str, float]:
+    """An actor's start from its `.remote()` (at `created`) to `ready()`
+    answering (at `ready`): Ray's part, then the phases the actor timed."""
+    phases = {"Ray worker start (to the actor's first import)": report.imports_started - created}
+    phases.update({f"actor: {p.name}": p.seconds for p in report.phases})
+    phases["ready() answered"] = ready - report.ready_at
+    return phases
 
 
 def stop(engine) -> None:
@@ -282,11 +289,18 @@ def child_replace(args) -> dict:
         stop(engines[0])
         began = time.time()
         replace_engine(engines, 0)
+        created = time.time()
         get(engines[0].ready.remote(), args.child_timeout)
+        ready = time.time()
         first_request(engines[0], 120)
         result["new_engine_to_first_answer_s"] = time.time() - began
         report = get(engines[0].startup_report.remote(), 60)
+        # Where a new actor's start goes, as the cold start's breakdown:
+        # its placement is the dead engine's bundle, so no group is made.
+        result["new_engine_phases"] = {"replace_engine()": created - began}
+        result["new_engine_phases"].update(actor_phases(report, created, ready))
         result["new_engine_vllm_phases"] = {p.name: p.seconds for p in report.vllm_phases}
+        result["new_engine_fork_wait_s"] = report.fork_wait_s
     finally:
         destroy_engines(engines)
         ray.shutdown()
