@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.schedules import spread, table  # noqa: E402
+from benchmarks.schedules_report import spread, table  # noqa: E402
 
 
 def load(path: Path) -> list[dict]:
