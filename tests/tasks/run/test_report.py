@@ -15,6 +15,7 @@ from tasks.run.report import (
     IterationMetrics,
     TrainingRow,
     compact,
+    curves_figure,
     curves_markdown,
     sparkline,
     terminal_curves,
@@ -111,6 +112,19 @@ def test_png_has_a_panel_per_curve(tmp_path):
     with Image.open(plain) as image:
         assert image.size[1] < four_panels[1]  # two panels: one row, not two
     assert write_curves_png([IterationMetrics.of(report(0, 0, 0))], tmp_path / "x.png") is None
+
+
+def test_sizes_rates_and_durations_are_drawn_from_zero_the_reward_as_it_lies():
+    # Response tokens 7.93-8.00 (the demo's cap of 8): autoscaled, a zigzag.
+    metrics = [
+        IterationMetrics.of(report(i, rows=100, tokens=t), step(r, i + 1))
+        for i, (t, r) in enumerate([(793, 0.5), (800, 0.6), (794, 0.7)])
+    ]
+    panels = {ax.get_title(): ax.get_ylim() for ax in curves_figure(metrics).axes}
+    low, high = panels["response length (tokens)"]
+    assert low <= 0 and high > 8.0  # 0 in view, and a margin above the top point
+    assert panels["generation tokens/s"][0] <= 0
+    assert panels["reward (mean ± std)"][0] > 0.3  # the band's bottom, not 0
 
 
 def test_markdown_inlines_the_png_and_tabulates_each_iteration(tmp_path):
