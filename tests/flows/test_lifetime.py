@@ -55,6 +55,14 @@ def test_a_signal_stops_the_run_thread(signals, signum):
 
 
 def test_a_second_signal_does_not_cut_the_cleanup_short(signals):
+    handled = threading.Event()
+
+    def handle_and_tell(signum, frame):
+        signals._handle(signum, frame)
+        handled.set()
+
+    signal.signal(signal.SIGINT, handle_and_tell)
+
     def run():
         os.kill(os.getpid(), signal.SIGTERM)
         try:
@@ -62,7 +70,9 @@ def test_a_second_signal_does_not_cut_the_cleanup_short(signals):
                 time.sleep(0.01)
         finally:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.2)  # the second signal arrives during the cleanup
+            # The cleanup goes on past the second signal's handler: a second
+            # Stopped would end this wait.
+            assert handled.wait(10), "the second signal was never handled"
             return "cleaned"  # noqa: B012 - what the test looks for
 
     assert signals.run(run) == "cleaned"
@@ -70,8 +80,7 @@ def test_a_second_signal_does_not_cut_the_cleanup_short(signals):
 
 
 def test_a_signal_before_the_run_stops_it_at_the_next_check(signals):
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.05)
+    signal.raise_signal(signal.SIGTERM)  # its handler has run when this returns
     with pytest.raises(Stopped):
         signals.check()
 
