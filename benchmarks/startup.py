@@ -18,10 +18,12 @@ vllm (GPU): plain `vllm.LLM(...)` in a fresh process, timed from its launch,
 hf (CPU): the same with our transformers engine against a fresh process that
   imports torch and transformers and loads the tokenizer and model.
 --replace: after the states, a set with one warm spare (when the cluster has
-  a second GPU; always on CPU): kill the engine, time the spare's swap to
-  its first answer; then kill only its engine (vLLM's engine-core process,
-  SIGKILL; the CPU engine's generation thread) and time its restart in the
-  live actor; then kill the actor and time a new engine on the warm cache.
+  a second GPU; always on CPU) and one prepared actor: kill the engine, time
+  the spare's swap to its first answer; then kill only its engine (vLLM's
+  engine-core process, SIGKILL; the CPU engine's generation thread) and time
+  its restart in the live actor; then kill the actor and time the engine
+  started in the prepared actor; then kill that and time a new engine actor
+  on the warm cache.
   Each line is also compared with the median cold start of ours.
 
 Every child process has a deadline (--child-timeout); the JSON (--json) is
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         cold = statistics.median(colds) if colds else None
         keys = ("spare_to_first_answer_s", "restart_to_first_answer_s")
-        for key in (*keys, "new_engine_to_first_answer_s"):
+        keys += ("prepared_to_first_answer_s", "new_engine_to_first_answer_s")
+        for key in keys:
             if cold and key in replaced:
                 print(
                     f"{key}: {replaced[key]:.1f}s = "

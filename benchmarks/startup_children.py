@@ -186,10 +186,17 @@ def end_engine(engine, backend: str, timeout_s: float) -> None:
 
 
 def child_replace(args) -> dict:
-    """A set with a warm spare where the cluster has room for it: the spare's
-    swap; the engine restarted in its actor; a new engine on the (now warm)
-    compile cache."""
-    from engines import destroy_engines, replace_engine, restart_engine, swap_in_spare
+    """A set with a warm spare where the cluster has room for it, and a
+    prepared actor: the spare's swap; the engine restarted in its actor; its
+    actor lost and the prepared actor in its place; a new engine actor on the
+    (now warm) compile cache."""
+    from engines import (
+        adopt_prepared,
+        destroy_engines,
+        replace_engine,
+        restart_engine,
+        swap_in_spare,
+    )
     from engines.client import get
 
     ray = ray_init()
@@ -197,7 +204,7 @@ def child_replace(args) -> dict:
     spares = 1 if room >= 2 else 0
     result: dict = {"spare_engines": spares}
     begin = time.time()
-    engines = create(args, spare_engines=spares)
+    engines = create(args, spare_engines=spares, prepared_actors=1)
     try:
         get(engines[0].ready.remote(), args.child_timeout)
         result["set_ready_s"] = time.time() - begin
@@ -215,12 +222,19 @@ def child_replace(args) -> dict:
         began = time.time()
         if not restart_engine(engines, 0):
             raise RuntimeError("the engine's actor did not take the restart")
-        get(engines[0].ready.remote(), args.child_timeout)
-        first_request(engines[0], 120)
-        result["restart_to_first_answer_s"] = time.time() - began
-        report = get(engines[0].startup_report.remote(), 60)
-        result["restart_phases"] = {p.name: p.seconds for p in report.phases}
-        result["restart_vllm_phases"] = {p.name: p.seconds for p in report.vllm_phases}
+        result.update(serving_again(engines[0], began, "restart", args.child_timeout))
+        # Its actor lost as in a crash (killed, no shutdown first): the
+        # prepared actor, up since the set started, takes its place.
+        result["prepared_imports_s"] = get(engines.prepared[0].up, args.child_timeout).seconds
+        began = time.time()
+        ray.kill(engines[0], no_restart=True)
+        if adopt_prepared(engines, 0) is None:
+            raise RuntimeError("the prepared actor did not take the lost engine's place")
+        result.update(serving_again(engines[0], began, "prepared", args.child_timeout))
+        # A new actor, with no prepared one left (the successor ends here).
+        for prepared in engines.prepared:
+            ray.kill(prepared.handle, no_restart=True)
+        engines.prepared.clear()
         stop(engines[0])
         began = time.time()
         replace_engine(engines, 0)
@@ -240,6 +254,23 @@ def child_replace(args) -> dict:
         destroy_engines(engines)
         ray.shutdown()
     return result
+
+
+def serving_again(engine, began: float, way: str, timeout_s: float) -> dict:
+    """A replacement begun at `began` (`way`: restart, prepared) once it
+    answered its first request: the seconds, and its start's phases."""
+    from engines.client import get
+
+    get(engine.ready.remote(), timeout_s)
+    first_request(engine, 120)
+    seconds = time.time() - began
+    report = get(engine.startup_report.remote(), 60)
+    return {
+        f"{way}_to_first_answer_s": seconds,
+        f"{way}_phases": {p.name: p.seconds for p in report.phases},
+        f"{way}_vllm_phases": {p.name: p.seconds for p in report.vllm_phases},
+        f"{way}_fork_wait_s": report.fork_wait_s,
+    }
 
 
 def run(args: argparse.Namespace) -> None:

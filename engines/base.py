@@ -5,7 +5,8 @@ Method names and arguments follow OpenRLHF's `LLMRayActor` where it has them,
 so code written against OpenRLHF's engines drives ours unchanged. Optional
 hooks default to no-ops; `health()` raises when the engine cannot serve.
 
-This module holds generation, the engine's start and restart in its actor,
+This module holds generation, the engine's start and restart in its actor
+(and in a prepared actor, `adopt`),
 health and worker RPCs, and the checks every request passes; the actor's
 other methods come from the classes `RolloutEngine` inherits, each in its
 own module: pause and sleep (`engines.control`), the OpenAI endpoint
@@ -18,6 +19,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 from typing import Any
 
 from engines.admission import Admission
@@ -40,6 +42,9 @@ from engines.weight_api import WeightApi
 from engines.weight_sync.session import WeightSync
 
 logger = logging.getLogger(__name__)
+
+#: How long a prepared actor waits for a lost engine's resources, and then its memory.
+ANCHOR_TIMEOUT_S = 60.0
 
 
 def normalize_prompts(prompts: Any) -> tuple[list[list[int]], bool]:
@@ -79,8 +84,10 @@ class RolloutEngine(ControlApi, EndpointApi, WeightApi, AgentApi, abc.ABC):
     `AgentApi`'s."""
 
     backend: str = ""
-    #: A `restart` in progress, or done (its outcome); `ready` waits for it.
+    #: A `restart` or `adopt` in progress, or done (its outcome); `ready` waits for it.
     _restart: asyncio.Future | None = None
+    #: A prepared actor with no engine yet (`_prepare`): it answers `adopt`.
+    prepared: bool = False
 
     @classmethod
     def check_settings(cls, engine_kwargs: dict[str, Any], tool_call_parser: str | None) -> None:
@@ -199,6 +206,64 @@ class RolloutEngine(ControlApi, EndpointApi, WeightApi, AgentApi, abc.ABC):
                 engine=self.config.name,
             ) from exc
         logger.info("engine %s restarted in %.1fs", self.config.name, self.startup.seconds)
+
+    # --- a prepared actor: imports done, no engine (engines.lifecycle.prepared) --
+    def _prepare(self, config: EngineConfig, clock: StartupClock) -> None:
+        """The end of a prepared actor's `__init__`: its imports are done and
+        it has no engine until `adopt`; `config` is the set's template under
+        this actor's name. Its start-up report holds the imports."""
+        self.config = config
+        self.prepared = True
+        self.startup = clock.report(config.name, self.backend)
+        logger.info("prepared actor %s: imports done in %.1fs", config.name, self.startup.seconds)
+
+    async def adopt(
+        self, config: EngineConfig, env_vars: dict[str, str], anchor: dict[str, Any]
+    ) -> None:
+        """Begin, in this prepared actor, the engine of one whose actor was
+        lost: `config` is the lost engine's under this actor's name,
+        `env_vars` its actor's environment, `anchor` the Ray options that hold
+        its resources on its bundle (`engines.lifecycle.anchor`).
+        Returns at once; `ready()` waits for the engine and raises its error."""
+        if not self.prepared or self._restart is not None:
+            raise RequestError(f"{self.config.name} is not a prepared actor awaiting an engine")
+        self._restart = asyncio.ensure_future(self._adopt(config, env_vars, anchor))
+
+    async def _adopt(
+        self, config: EngineConfig, env_vars: dict[str, str], anchor: dict[str, Any]
+    ) -> None:
+        import ray
+
+        from engines.lifecycle.anchor import Anchor
+
+        clock = StartupClock()
+        try:
+            # Kept for this actor's life: Ray ends an actor whose handles are gone.
+            self._anchor = ray.remote(Anchor).options(**anchor).remote()
+            devices = await asyncio.wait_for(self._anchor.devices.remote(), ANCHOR_TIMEOUT_S)
+            os.environ.update(env_vars)
+            if devices is not None:
+                # Read as the engine starts (vLLM's core is forked with this
+                # environment: engines/vllm/forkserver.py); nothing before it
+                # here has initialised CUDA.
+                os.environ["CUDA_VISIBLE_DEVICES"] = devices
+            clock.mark("the lost engine's resources held (its bundle freed)")
+            await self._await_room(config, ANCHOR_TIMEOUT_S)
+            clock.mark("its memory freed on the GPU")
+            await asyncio.to_thread(type(self).__init__, self, config, clock)
+        except Exception as exc:
+            raise EngineDeadError(
+                f"{config.name} could not take the lost engine's place: {exc!r}",
+                engine=config.name,
+            ) from exc
+        self.prepared = False
+        logger.info(
+            "engine %s started in a prepared actor in %.1fs", config.name, self.startup.seconds
+        )
+
+    async def _await_room(self, config: EngineConfig, timeout_s: float) -> None:  # noqa: B027
+        """Before an adopted engine starts: wait until its device has the room
+        the engine asks for (the lost engine's memory freed). No GPU: none."""
 
     async def startup_report(self) -> StartupReport:
         """Where this engine's start-up time went (set at the end of `__init__`)."""

@@ -8,7 +8,8 @@ its submission to `imports_started`) from ours. Times are wall-clock
 (`time.time()`): the benchmark compares them with the driver's, on one host.
 
 Also the start-up steps both backends take: waiting for their turn on a
-shared GPU (`wait_turn`) and the tokenizer-against-model check
+shared GPU (`wait_turn`), a prepared actor's wait for the engines before its
+imports (`wait_engines_up`) and the tokenizer-against-model check
 (`warn_vocab_mismatch`).
 """
 
@@ -109,6 +110,17 @@ def wait_turn(after: list[Any], timeout_s: float, name: str, clock: StartupClock
     if not done:
         logger.warning("engine %s starts after %gs without its turn on the GPU", name, timeout_s)
     clock.mark("its turn on a shared GPU: the engine before it up")
+
+
+def wait_engines_up(after: list[Any], timeout_s: float, clock: StartupClock) -> None:
+    """A prepared actor's imports (`engines.lifecycle.prepared`) wait for the
+    engines it may replace, or the one it follows, to be up: they would take
+    CPU from those engines' start (vLLM's import is some 20 s of a core).
+    `after`: their `ready` refs; their outcome does not matter."""
+    import ray
+
+    ray.wait(list(after), num_returns=len(after), timeout=timeout_s)
+    clock.mark("the engines up (a prepared actor's imports wait for them)")
 
 
 def warn_vocab_mismatch(engine: str, tokenizer_size: int, model_vocab: int, rows: int) -> None:

@@ -30,7 +30,13 @@ from engines.hf.options import HFOptions, check_hf_kwargs
 from engines.load import EngineLoad
 from engines.outputs import RequestOutput
 from engines.sampling import SamplingParams
-from engines.startup import StartupClock, actor_clock, wait_turn, warn_vocab_mismatch
+from engines.startup import (
+    StartupClock,
+    actor_clock,
+    wait_engines_up,
+    wait_turn,
+    warn_vocab_mismatch,
+)
 from engines.weight_sync.lora.engine import adapter_versions
 from engines.weight_sync.probe import sequence_logprobs
 
@@ -50,9 +56,14 @@ class HFEngine(RolloutEngine):
         config: EngineConfig,
         clock: StartupClock | None = None,
         after: list[Any] | None = None,
+        prepare_only: bool = False,
     ):
-        """`after`: wait for these before the model loads (`wait_turn`)."""
+        """`after`: wait for these before the model loads (`wait_turn`).
+        `prepare_only`: a prepared actor's start, the imports and no engine
+        (`engines.lifecycle.prepared`), after `after` (`wait_engines_up`)."""
         clock = clock or actor_clock()
+        if prepare_only and after:
+            wait_engines_up(after, env.ready_timeout_s(), clock)
         # torch and transformers come with these, imported in the engine actor
         # only: the driver creates the actor from this module without paying
         # their import (seconds on a CPU box, on the start-up's critical path
@@ -61,6 +72,9 @@ class HFEngine(RolloutEngine):
         from engines.hf.worker import load_model
 
         clock.mark("torch and transformers imports")
+        if prepare_only:
+            self._prepare(config, clock)
+            return
         super().__init__(config)
         options = HFOptions.from_engine_kwargs(config.engine_kwargs)
         self.max_logprobs = options.max_logprobs
@@ -225,6 +239,8 @@ class HFEngine(RolloutEngine):
     async def shutdown(self) -> None:
         # The generation first: requests in flight end (aborted) and are
         # answered, so the server's graceful stop need not wait them out.
+        if self.prepared:  # no engine yet
+            return
         self._loop.stop()
         await self._stop_openai()
 

@@ -1,7 +1,8 @@
 """The life of an engine set, whichever the backend: start it from its spec
 (`start_engine_set`), restart or replace one engine, destroy the set. The
 set itself (`EngineSet`) is `engines.lifecycle.handles`'s; its spares start
-and swap in by `engines.lifecycle.spares`.
+and swap in by `engines.lifecycle.spares`, its prepared actors start and
+take a lost engine's place by `engines.lifecycle.prepared`.
 
 Everything is checked before anything is created: bad input raises
 `EngineSpecError` naming the bad value and leaves no actor or placement group.
@@ -32,6 +33,7 @@ from engines.errors import (
 from engines.lifecycle.actors import backend_class, kill, start_engine
 from engines.lifecycle.handles import EngineSet
 from engines.lifecycle.placement import EnginePlacement, remove_named_groups
+from engines.lifecycle.prepared import start_prepared
 from engines.lifecycle.spares import start_spare
 from engines.lifecycle.spec import EngineSetSpec
 
@@ -134,6 +136,8 @@ def start_engine_set(spec: EngineSetSpec) -> EngineSet:
         spec.namespace,
         f", and spares {[spare.config.name for spare in engines.spares]}" if engines.spares else "",
     )
+    if engines.prepared:
+        logger.info("prepared actors: %s", [prepared.name for prepared in engines.prepared])
     if spec.sleep:
         try:
             raise_first_error(call_engines(engines, "sleep", timeout_s=env.ready_timeout_s()))
@@ -144,11 +148,12 @@ def start_engine_set(spec: EngineSetSpec) -> EngineSet:
 
 
 def start_on(spec: EngineSetSpec, placement: EnginePlacement) -> EngineSet:
-    """Start the engines and spares on their bundles; on any failure kill
-    what started and give back the bundles."""
+    """Start the engines and spares on their bundles, and the prepared
+    actors; on any failure kill what started and give back the bundles."""
     handles, configs = [], []
     # On a shared GPU each engine's start waits for the one before (`wait_turn`).
     turn: list[Any] | None = None
+    engines: EngineSet | None = None
     try:
         for i in range(spec.num_engines):
             config = EngineConfig(
@@ -174,7 +179,14 @@ def start_on(spec: EngineSetSpec, placement: EnginePlacement) -> EngineSet:
             spare = start_spare(engines, placement.bundles[spec.num_engines + k], turn)
             if placement.one_at_a_time:
                 turn = [spare.asleep]
+        up = [handle.ready.remote() for handle in handles]
+        up += [spare.asleep for spare in engines.spares]
+        for k in range(spec.prepared_actors):
+            start_prepared(engines, placement.bundles[k % spec.num_engines][0], after=up)
     except BaseException:
+        if engines is not None:
+            handles += [spare.handle for spare in engines.spares]
+            handles += [prepared.handle for prepared in engines.prepared]
         for handle in handles:
             ray.kill(handle, no_restart=True)
         if placement.owns_group:
@@ -246,6 +258,8 @@ def destroy_engines(
     handles = {handle._actor_id: handle for handle in engines or []}
     for spare in getattr(engines, "spares", []):
         handles[spare.handle._actor_id] = spare.handle
+    for prepared in getattr(engines, "prepared", []):
+        handles[prepared.handle._actor_id] = prepared.handle
     if name_prefix:
         for name in existing_engine_names(name_prefix, namespace):
             try:

@@ -1,7 +1,8 @@
 """What an engine set is once started: `EngineSet`, the engines' actor handles
 (a plain list to callers) with their configs, names and placement, and its
-warm `Spare`s. The set's life (`engines.lifecycle.engine_set`) and its spares
-(`engines.lifecycle.spares`) both work on these records."""
+warm `Spare`s and its `Prepared` actors. The set's life
+(`engines.lifecycle.engine_set`), its spares (`engines.lifecycle.spares`) and
+its prepared actors (`engines.lifecycle.prepared`) work on these records."""
 
 from __future__ import annotations
 
@@ -24,10 +25,23 @@ class Spare:
     started_at: float
 
 
+@dataclass
+class Prepared:
+    """A prepared actor: imports done, no engine until it takes a lost
+    engine's place (`engines.lifecycle.prepared`); `bundle` is where it sits
+    (on that bundle's node, holding none of it), `up` the ref of its start,
+    done once its imports are."""
+
+    handle: Any
+    name: str
+    bundle: int
+    up: Any
+
+
 class EngineSet(list):
     """The engine handles (a plain list to callers), plus what it takes to find
     and clean them up: names, namespace and placement group; and the warm
-    spares, outside the list."""
+    spares and prepared actors, outside the list."""
 
     def __init__(
         self,
@@ -50,6 +64,7 @@ class EngineSet(list):
         # (engine i samples with seed `template.seed + i`).
         self.template = configs[0] if configs else None
         self.spares: list[Spare] = []
+        self.prepared: list[Prepared] = []
         # The next actor name index: spares and their successors are named
         # `<prefix>-<i>` past the engines, so sweeps by name find them too.
         self.next_index = len(handles)

@@ -48,7 +48,10 @@ class EngineSetSpec(EngineSettings):
     seed `seed + i`. Without `name_prefix` each set gets a prefix of its own.
 
     `spare_engines`: that many more engines on bundles reserved beside the
-    set's, put to sleep once up (`engines.lifecycle.spares`). `sleep` (OpenRLHF's
+    set's, put to sleep once up (`engines.lifecycle.spares`). `prepared_actors`:
+    that many actors with the imports done and no engine or GPU, each ready
+    to take the place of an engine whose actor is lost
+    (`engines.lifecycle.prepared`; TP=1). `sleep` (OpenRLHF's
     `vllm_enable_sleep`): the engines start in sleep mode and are put to
     sleep once up. `placement`: where the set goes (`Placement`)."""
 
@@ -58,6 +61,7 @@ class EngineSetSpec(EngineSettings):
     seed: int = 42
     backend: str = "auto"
     spare_engines: Annotated[int, at_least(0)] = 0
+    prepared_actors: Annotated[int, at_least(0)] = 0
     sleep: bool = False
     name_prefix: str | None = None
     namespace: str | None = None
@@ -95,6 +99,12 @@ class EngineSetSpec(EngineSettings):
                 raise EngineSpecError(
                     f"engine argument {name}={kwargs[name]!r} is set by create_vllm_engines{hint}"
                 )
+        if self.prepared_actors and self.tensor_parallel_size > 1:
+            raise EngineSpecError(
+                f"prepared_actors={self.prepared_actors} needs tensor_parallel_size=1, got "
+                f"{self.tensor_parallel_size}: vLLM's Ray executor places TP workers from "
+                "the engine actor's own bundles, which a prepared actor does not hold"
+            )
         if self.sleep and kwargs.get("enable_sleep_mode") is False:
             raise EngineSpecError(
                 "sleep=True (OpenRLHF: vllm_enable_sleep) and enable_sleep_mode=False "

@@ -10,7 +10,8 @@ engines; `logprobs_mode` sets vLLM's, with `max_logprobs=1`;
 as OpenRLHF runs it (`engines.openrlhf.agents`); `remote_rm_url` (unused by
 OpenRLHF beside an `agent_func_path`, where its CLI sets it to "agent") and
 `max_images_per_prompt` are refused: a clear error, not a silently different
-run. Ours beside them: `backend`, `spare_engines` and `colocate_trainer`
+run. Ours beside them: `backend`, `spare_engines`, `prepared_actors`
+(`engines.lifecycle.prepared`) and `colocate_trainer`
 (`engines.lifecycle.placement.PlacementMode`).
 """
 
@@ -50,6 +51,7 @@ def create_vllm_engines(
     remote_rm_url: Any = None,
     max_images_per_prompt: int = 0,
     spare_engines: int = 0,
+    prepared_actors: int = 0,
     colocate_trainer: bool = False,
     **engine_kwargs: Any,
 ) -> EngineSet:

@@ -8,6 +8,7 @@ the workers (`collective_rpc`) and shutdown. Generation and start-up are
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from typing import Any
@@ -15,8 +16,10 @@ from typing import Any
 import ray
 
 from engines.base import RolloutEngine
+from engines.config import EngineConfig
 from engines.control import SLEEP_TAGS, check_sleep_level, wake_tags
 from engines.errors import RequestError
+from engines.lifecycle.placement import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
 from engines.vllm.api import vllm_api, worker_memory
 from engines.vllm.core import CoreCalls
 from engines.vllm.openai_app import AdmittedClient
@@ -100,6 +103,19 @@ class VLLMControl(RolloutEngine):
             await asyncio.sleep(ROOM_POLL_S)
         return time.monotonic() - began
 
+    async def _await_room(self, config: EngineConfig, timeout_s: float) -> None:
+        # The lost engine's core frees its memory a moment after its actor is
+        # gone, and vLLM refuses to start while the free memory is below what
+        # it asks for (`request_memory` in vllm/v1/worker/utils.py, v0.26.0).
+        # Read through NVML: CUDA must not be initialised in this process.
+        fraction = config.gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+        began = time.monotonic()
+        while time.monotonic() - began < timeout_s:
+            free, total = device_memory(os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0])
+            if free >= math.ceil(total * fraction):
+                return
+            await asyncio.sleep(ROOM_POLL_S)
+
     async def wake_up(self, tags: list[str] | None = None) -> None:
         tags_set = wake_tags(tags)
         if not tags_set & self._asleep:
@@ -148,5 +164,25 @@ class VLLMControl(RolloutEngine):
     async def shutdown(self) -> None:
         # Stops the engine-core process (and the Ray workers of TP>1), which
         # frees the GPU memory before the actor is killed.
+        if self.prepared:  # no engine yet
+            return
         await self._stop_openai()
         self.engine.shutdown()
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """Free and total bytes of `device` (an index or a UUID, as Ray writes
+    CUDA_VISIBLE_DEVICES), from NVML."""
+    from vllm.utils.import_utils import import_pynvml
+
+    pynvml = import_pynvml()
+    pynvml.nvmlInit()
+    try:
+        if device.isdigit():
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(device))
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(device)
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.free), int(info.total)
+    finally:
+        pynvml.nvmlShutdown()

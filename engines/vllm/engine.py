@@ -30,7 +30,13 @@ from engines.config import EngineConfig
 from engines.errors import RequestError
 from engines.load import EngineLoad
 from engines.outputs import RequestOutput
-from engines.startup import StartupClock, actor_clock, wait_turn, warn_vocab_mismatch
+from engines.startup import (
+    StartupClock,
+    actor_clock,
+    wait_engines_up,
+    wait_turn,
+    warn_vocab_mismatch,
+)
 from engines.vllm import forkserver
 from engines.vllm.adapters import lora_request
 from engines.vllm.api import padded_vocab_rows, request_output, vllm_api, vllm_sampling_params
@@ -61,13 +67,22 @@ class VLLMEngine(VLLMControl):
         config: EngineConfig,
         clock: StartupClock | None = None,
         after: list[Any] | None = None,
+        prepare_only: bool = False,
     ):
-        """`after`: wait for these before vLLM starts (`wait_turn`)."""
+        """`after`: wait for these before vLLM starts (`wait_turn`).
+        `prepare_only`: a prepared actor's start, vLLM's imports and the
+        forkserver's and no engine (`engines.lifecycle.prepared`), after
+        `after` (`wait_engines_up`)."""
         clock = clock or actor_clock()
+        if prepare_only and after:
+            wait_engines_up(after, env.ready_timeout_s(), clock)
         if os.environ.get(env.VLLM_ENABLE_V1_MULTIPROCESSING, "1") != "0":  # else no core process
             forkserver.start(ENGINE_CORE_MODULES)
         api = vllm_api()
         clock.mark("vLLM imports")
+        if prepare_only:
+            self._prepare(config, clock)
+            return
         log = OwnLog()  # vLLM's engine core logs its own start-up split there
         super().__init__(config)
         self.sleep_mode = bool(config.engine_kwargs.get("enable_sleep_mode", False))

@@ -56,6 +56,10 @@ class TiedProcess(mp_context.ForkServerProcess):
         forkserver.ensure_running()
         # The parent the child must have (multiprocessing's own record of it).
         self._server_pid = forkserver._forkserver._forkserver_pid
+        # The child takes this process's environment as it is now, as a
+        # spawned one would, not the server's from its start: a prepared
+        # actor sets its GPU after (engines.lifecycle.prepared).
+        self._environ = dict(os.environ)
         super().start()  # returns with the child's pid, once it is forked
         fork_waits.append(time.monotonic() - began)
 
@@ -72,6 +76,8 @@ class TiedProcess(mp_context.ForkServerProcess):
         if alive_fd is not None:
             os.close(alive_fd)
             forkserver._forkserver._forkserver_alive_fd = None
+        os.environ.clear()
+        os.environ.update(self._environ)
         super().run()
 
 

@@ -20,7 +20,8 @@ def publish_engine_table(pool: EnginePool) -> None:
         key=ENGINES_KEY,
         table=[stats.as_row() for stats in pool.stats],
         description="Per engine: prompts, tokens, tokens/s, failures, restarts, start-up "
-        "time, and the last replacement (a warm spare or a new engine) with the seconds it "
+        "time, and the last replacement (a warm spare, a restart, a prepared actor or a new "
+        "engine) with the seconds it "
         "took to serve again; each engine's OpenAI URL with openai_api.",
     )
 

@@ -85,6 +85,14 @@ class EngineParams(BaseModel):
         "them, then put to sleep. A spare takes a dead engine's place in seconds (woken and "
         "synced to the current weights first) instead of a cold start.",
     )
+    prepared_actors: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Engine actors started with the others with their imports done and no "
+        "engine or GPU: one takes the place of an engine whose actor is lost, so the "
+        "replacement pays the engine's own start only. tensor_parallel_size 1.",
+    )
     openai_api: bool = Field(
         False,
         description="Each engine serves the OpenAI API (chat, completions, tokenize) on its "

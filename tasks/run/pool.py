@@ -22,6 +22,7 @@ from engines import (
     EngineDeadError,
     EngineSet,
     EngineTimeoutError,
+    adopt_prepared,
     replace_engine,
     restart_engine,
     swap_in_spare,
@@ -50,9 +51,10 @@ class EngineStats:
     restarts: int = 0
     last_error: str | None = None
     #: The last replacement: "spare" (a warm spare woken), "restart" (the
-    #: engine started again in its own actor, which outlived it) or "new" (a
-    #: fresh engine actor), and the seconds from the failure's handling to serving again
-    #: (up, and synced to the policy's weights in an on-policy run).
+    #: engine started again in its own actor, which outlived it), "prepared"
+    #: (started in a prepared actor, its imports done) or "new" (a fresh
+    #: engine actor), and the seconds from the failure's handling to serving
+    #: again (up, and synced to the policy's weights in an on-policy run).
     replaced_by: str | None = None
     replacement_s: float | None = None
     #: The engine's OpenAI endpoint (run parameter openai_api), read once it is ready.
@@ -154,7 +156,8 @@ class EnginePool:
         """Put a warm spare (woken; a new spare starts on the failed engine's
         bundles) in place of each failed one, or else start it again in its
         actor (`restart_engine`: its engine died, the actor did not), or else
-        a new engine actor (same name, config and bundles). Returns the
+        in a prepared actor (`adopt_prepared`), or else a new engine actor
+        (same name, config and bundles). Returns the
         replaced indices; `mark_serving` ends their replacement once they are
         up (and synced)."""
         if self.closed:
@@ -167,7 +170,7 @@ class EnginePool:
             logger.warning("replacing engine %s after %s", self.name(index), stats.last_error)
             self.replacing_since[index] = time.monotonic()
             # The fastest way first: a warm spare, then the engine started again
-            # in its actor (only its engine died), then a new actor.
+            # in its actor (only its engine died), then a prepared actor, then a new one.
             spare = swap_in_spare(self.engines, index, timeout_s)
             if spare is not None:
                 logger.info("spare %s woke up in place of %s", spare.config.name, stats.name)
@@ -177,6 +180,8 @@ class EnginePool:
                 dead = isinstance(self.failed[index], EngineDeadError)
                 if dead and restart_engine(self.engines, index):
                     stats.replaced_by = "restart"
+                elif adopt_prepared(self.engines, index) is not None:
+                    stats.replaced_by = "prepared"
                 else:
                     replace_engine(self.engines, index)
                     stats.replaced_by = "new"

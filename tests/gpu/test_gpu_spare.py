@@ -5,7 +5,8 @@ once. On one GPU the engine, its sleeping spare and the policy share it
 (`colocate`, CUDA IPC sync); on three each has its own (NCCL sync). On two, a
 rollout job (no policy) checks the spare's life cycle on real vLLM. On one, a
 rollout job without a spare whose engine core is killed: the engine restarts
-in its actor."""
+in its actor; and one whose engine actor is killed: a prepared actor starts
+the engine in its place."""
 
 from __future__ import annotations
 
@@ -188,4 +189,24 @@ def test_engine_whose_core_died_restarts_in_its_actor_in_a_rollout_job(
     assert len(rows) == len(keys) == PROMPTS * N
     row = engine_row(state, engine, "restart", READY_TIMEOUT_S)
     print(f"\nengine {engine} restarted in its actor, serving again after {row['replacement_s']}s")
+    wait_gpus_released(gpu_baseline)
+
+
+def test_lost_actor_is_replaced_by_the_prepared_actor_in_a_rollout_job(
+    ray_gpu, gpu_model, gpu_baseline, prefect_harness, tmp_path
+):
+    """One GPU, no spare, a prepared actor: the engine's actor is killed
+    mid-run (its engine core goes with it, freeing its memory a moment
+    later); the prepared actor starts the engine on that GPU and the run
+    writes every rollout exactly once."""
+    state, killed = run_killing_engine_0(
+        ray_gpu, tmp_path / "out", 0, spares=0, prepared_actors=1, model=gpu_model
+    )
+    rows = rows_of(Path(state.result().output_dir), 0)
+    keys = {(row["prompt_index"], row["sample_index"]) for row in rows}
+    assert len(rows) == len(keys) == PROMPTS * N
+    adopter = killed.rsplit("-", 1)[0] + "-1"  # the prepared actor: named past the engine
+    assert adopter in {row["engine"] for row in rows}
+    row = engine_row(state, adopter, "prepared", READY_TIMEOUT_S)
+    print(f"\n{adopter} took the lost {killed}'s place, serving after {row['replacement_s']}s")
     wait_gpus_released(gpu_baseline)

@@ -1,6 +1,7 @@
 """The engine core's forkserver (engines/vllm/forkserver.py): a forked child finds
-the preloaded modules imported, the actor knows how long its fork waited for
-them, and the child dies with the process that started the server, even when
+the preloaded modules imported and the actor's environment as at the fork
+(not the server's from its start), the actor knows how long its fork waited
+for them, and the child dies with the process that started the server, even when
 that process is killed with SIGKILL."""
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ACTOR = textwrap.dedent(
             "ppid": os.getppid(),
             "wave_preloaded": "wave" in sys.modules and "slow_import" in sys.modules,
             "pdeathsig": pdeathsig.value,
+            "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
         with open(path + ".tmp", "w") as f:
             json.dump(seen, f)
@@ -43,6 +45,7 @@ ACTOR = textwrap.dedent(
 
     if __name__ == "__main__":
         forkserver.start(("wave", "slow_import"))  # modules nothing else here imports
+        os.environ["CUDA_VISIBLE_DEVICES"] = "7"  # set after the server started, as adopt() does
         forkserver.context().Process(target=report, args=(sys.argv[1],)).start()
         with open(sys.argv[1] + ".waits.tmp", "w") as f:
             json.dump(forkserver.fork_waits, f)
@@ -68,6 +71,7 @@ def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):
         assert server != actor.pid, "the child was forked by the actor, not by the server"
         assert seen["wave_preloaded"], "the preload was not imported before the fork"
         assert seen["pdeathsig"] == signal.SIGKILL
+        assert seen["gpu"] == "7", "the child has the server's environment, not the actor's"
         # The fork came only after the server's preload, the slow import included.
         waits_file = Path(f"{out}.waits")
         wait_until(waits_file.exists, timeout_s=30, what="the actor's fork waits")

@@ -1,10 +1,12 @@
-"""The vLLM backend's sleep and wake-up on a shared GPU, and its sync probe
-(engines/vllm/engine.py, control.py), with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
+"""The vLLM backend's sleep and wake-up on a shared GPU, an adopted engine's
+wait for its GPU's memory, and its sync probe (engines/vllm/engine.py,
+control.py), with a stand-in for vLLM's AsyncLLM: CI has no vLLM."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +70,39 @@ def test_waiting_for_room_ends_at_its_deadline(engine, monkeypatch):
         return await engine.wait_gpu_room(timeout_s=0.2)
 
     assert 0.2 <= asyncio.run(main()) < 2
+
+
+def device_readings(monkeypatch, free: list[int], total: int = 100) -> list[str]:
+    """The GPU's free memory as NVML reports it (`device_memory`): the next of
+    `free` per call, the last from then on; returns the devices asked for."""
+    asked: list[str] = []
+
+    def device_memory(device: str) -> tuple[int, int]:
+        asked.append(device)
+        return free[min(len(asked), len(free)) - 1], total
+
+    monkeypatch.setattr(vllm_control, "device_memory", device_memory)
+    monkeypatch.setattr(vllm_control, "ROOM_POLL_S", 0.0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    return asked
+
+
+def test_an_adopted_engine_starts_once_the_lost_ones_memory_is_freed(engine, monkeypatch):
+    # It asks for 0.3 of the GPU: 30; the lost engine's memory goes in steps.
+    asked = device_readings(monkeypatch, [5, 20, 29, 30, 80])
+    config = EngineConfig(
+        name="e0", seed=0, rpc_timeout_s=5, pretrain="m", max_len=8, gpu_memory_utilization=0.3
+    )
+    asyncio.run(engine._await_room(config, timeout_s=5))
+    assert asked == ["3"] * 4  # Ray's device, until the room was there, and no longer
+
+
+def test_an_adopted_engine_asks_vllms_default_share_and_stops_at_its_deadline(engine, monkeypatch):
+    asked = device_readings(monkeypatch, [89])  # vLLM's default asks for 90
+    config = EngineConfig(name="e0", seed=0, rpc_timeout_s=5, pretrain="m", max_len=8)
+    began = time.monotonic()
+    asyncio.run(engine._await_room(config, timeout_s=0.2))
+    assert 0.2 <= time.monotonic() - began < 2 and len(asked) > 1
 
 
 def test_no_test_folder_passes_for_vllm():

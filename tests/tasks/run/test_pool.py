@@ -44,8 +44,9 @@ def test_placement_problem_only_while_the_group_waits_for_room(ray_local, cpus):
 
 class FakeEngines:
     """Stands in for an `EngineSet`: two engine names; replacing one (the
-    patched `replace_engine`) or restarting it (`restart_engine`, which
-    succeeds when `restartable`) only counts."""
+    patched `replace_engine`), restarting it (`restart_engine`, which
+    succeeds when `restartable`) or adopting it in a prepared actor
+    (`adopt_prepared`, which finds one when `prepared`) only counts."""
 
     names = ["rf-test-0", "rf-test-1"]
 
@@ -53,10 +54,16 @@ class FakeEngines:
         self.replaced: list[int] = []
         self.restarted: list[int] = []
         self.restartable = False
+        self.adopted: list[int] = []
+        self.prepared = False
 
     def restart(self, index: int) -> bool:
         self.restarted.append(index)
         return self.restartable
+
+    def adopt(self, index: int) -> object | None:
+        self.adopted.append(index)
+        return object() if self.prepared else None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -65,6 +72,7 @@ class FakeEngines:
 @pytest.fixture
 def fake_pool(monkeypatch) -> EnginePool:
     monkeypatch.setattr(pool_module, "swap_in_spare", lambda engines, index, timeout_s: None)
+    monkeypatch.setattr(pool_module, "adopt_prepared", lambda engines, index: engines.adopt(index))
     monkeypatch.setattr(
         pool_module, "replace_engine", lambda engines, index: engines.replaced.append(index)
     )
@@ -145,6 +153,15 @@ def test_an_engine_whose_actor_cannot_restart_it_gets_a_new_actor(fake_pool):
         pass
     assert fake_pool.engines.restarted == [1] and fake_pool.engines.replaced == [1]
     assert fake_pool.stats[1].replaced_by == "new"
+
+
+def test_a_lost_actor_goes_to_a_prepared_actor_before_a_new_one(fake_pool):
+    fake_pool.engines.prepared = True
+    with fake_pool.replacement(LOGGER, timeout_s=5, wait_s=5):
+        pass
+    assert fake_pool.engines.restarted == [1] and fake_pool.engines.adopted == [1]
+    assert fake_pool.engines.replaced == []
+    assert fake_pool.stats[1].replaced_by == "prepared"
 
 
 def test_a_hung_engine_is_not_restarted_in_its_actor(fake_pool):
