@@ -67,6 +67,8 @@ def adopt_prepared(engines: EngineSet, index: int) -> Prepared | None:
     `ready()` waits for the engine. Returns the prepared actor that took
     over, or None when none could (a prepared actor whose start failed is
     dropped)."""
+    if not engines.prepared:
+        return None
     config = engines.configs[index]
     nodes = placement_group_table(engines.placement.placement_group)["bundles_to_node_id"]
     node = nodes.get(config.bundle_indices[0])

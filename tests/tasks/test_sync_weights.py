@@ -77,6 +77,7 @@ def test_when_no_engine_can_be_had_the_error_names_it_and_why(monkeypatch):
 
     monkeypatch.setattr(engines_tasks, "get_run_logger", lambda: logging.getLogger(__name__))
     monkeypatch.setattr(pool_module, "swap_in_spare", lambda engines, index, timeout_s: None)
+    monkeypatch.setattr(pool_module, "adopt_prepared", lambda engines, index: None)
     monkeypatch.setattr(pool_module, "replace_engine", cannot_replace)
     pool = EnginePool(FakeEngines([None, None]))
     pool.mark_failed(1, EngineTimeoutError("hung", "rf-test-1"))
