@@ -258,6 +258,9 @@ class EndpointApi:
     _restart: asyncio.Future | None
     #: The OpenAI endpoint, kept across restarts: its port with it.
     _openai: OpenAIServer | None = None
+    #: Held while the endpoint starts: callers at once (`ready`, `openai_url`)
+    #: would each start a server, and all but the last would serve on, unknown.
+    _openai_lock: asyncio.Lock | None = None
 
     async def openai_url(self) -> str | None:
         """The engine's OpenAI endpoint, "http://<node ip>:<port>/v1" (started
@@ -269,12 +272,15 @@ class EndpointApi:
     async def _serve_openai(self) -> str | None:
         if not self.config.openai_api:
             return None
-        if self._openai is None:
-            self._openai = OpenAIServer(self.config.name)
-        if not self._openai.running:
-            await self._openai.start(
-                self._openai_app(), self.config.api_key, lambda: self.weight_version
-            )
+        if self._openai_lock is None:  # made on the actor's loop, which runs every call
+            self._openai_lock = asyncio.Lock()
+        async with self._openai_lock:
+            if self._openai is None:
+                self._openai = OpenAIServer(self.config.name)
+            if not self._openai.running:
+                await self._openai.start(
+                    self._openai_app(), self.config.api_key, lambda: self.weight_version
+                )
         return self._openai.url
 
     async def _stop_openai(self) -> None:

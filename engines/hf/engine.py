@@ -57,11 +57,15 @@ class HFEngine(RolloutEngine):
         clock: StartupClock | None = None,
         after: list[Any] | None = None,
         prepare_only: bool = False,
+        environment: dict[str, str] | None = None,
     ):
         """`after`: wait for these before the model loads (`wait_turn`).
         `prepare_only`: a prepared actor's start, the imports and no engine
-        (`engines.lifecycle.prepared`), after `after` (`wait_engines_up`)."""
+        (`engines.lifecycle.prepared`), after `after` (`wait_engines_up`).
+        `environment`: the actor's variables
+        (`engines.lifecycle.actors.actor_env`)."""
         clock = clock or actor_clock()
+        os.environ.update(environment or {})  # before anything reads it (`actor_env`)
         if prepare_only and after:
             wait_engines_up(after, env.ready_timeout_s(), clock)
         # torch and transformers come with these, imported in the engine actor

@@ -40,10 +40,13 @@ def start_engine(
             namespace=namespace,
             max_restarts=0,
             scheduling_strategy=placement.strategy(config.bundle_indices),
-            runtime_env={"env_vars": actor_env(backend, placement, config)},
             **actor_resources(backend, placement, tp),
         )
-        .remote(config, after=after)
+        # Its environment as an argument, set first thing in the actor: with a
+        # runtime_env's env_vars Ray starts a worker process for the actor
+        # instead of taking one it started ahead (on the 2-core box 0.75 s
+        # against 0.40 s to a trivial actor's __init__).
+        .remote(config, after=after, environment=actor_env(backend, placement, config))
     )
 
 

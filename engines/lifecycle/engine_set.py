@@ -179,8 +179,9 @@ def start_on(spec: EngineSetSpec, placement: EnginePlacement) -> EngineSet:
             spare = start_spare(engines, placement.bundles[spec.num_engines + k], turn)
             if placement.one_at_a_time:
                 turn = [spare.asleep]
-        up = [handle.ready.remote() for handle in handles]
-        up += [spare.asleep for spare in engines.spares]
+        if spec.prepared_actors:
+            up = [handle.ready.remote() for handle in handles]
+            up += [spare.asleep for spare in engines.spares]
         for k in range(spec.prepared_actors):
             start_prepared(engines, placement.bundles[k % spec.num_engines][0], after=up)
     except BaseException:

@@ -48,10 +48,14 @@ def start_prepared(engines: EngineSet, bundle: int, after: list[Any]) -> Prepare
             num_cpus=0,
             num_gpus=0,
             scheduling_strategy=engines.placement.strategy([bundle]),
-            # The engines' environment: the imports read some of it (OMP's threads).
-            runtime_env={"env_vars": actor_env(engines.backend, engines.placement, config)},
         )
-        .remote(config, after=after, prepare_only=True)
+        .remote(
+            config,
+            after=after,
+            prepare_only=True,
+            # The engines' environment: the imports read some of it (OMP's threads).
+            environment=actor_env(engines.backend, engines.placement, config),
+        )
     )
     prepared = Prepared(handle, name, bundle, handle.startup_report.remote())
     engines.prepared.append(prepared)

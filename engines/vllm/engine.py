@@ -68,12 +68,15 @@ class VLLMEngine(VLLMControl):
         clock: StartupClock | None = None,
         after: list[Any] | None = None,
         prepare_only: bool = False,
+        environment: dict[str, str] | None = None,
     ):
         """`after`: wait for these before vLLM starts (`wait_turn`).
         `prepare_only`: a prepared actor's start, vLLM's imports and the
         forkserver's and no engine (`engines.lifecycle.prepared`), after
-        `after` (`wait_engines_up`)."""
+        `after` (`wait_engines_up`). `environment`: the actor's variables
+        (`engines.lifecycle.actors.actor_env`)."""
         clock = clock or actor_clock()
+        os.environ.update(environment or {})  # before anything reads it (`actor_env`)
         if prepare_only and after:
             wait_engines_up(after, env.ready_timeout_s(), clock)
         if os.environ.get(env.VLLM_ENABLE_V1_MULTIPROCESSING, "1") != "0":  # else no core process

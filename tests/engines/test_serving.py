@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -16,8 +17,8 @@ import pytest
 import ray
 from waiting import SETUP_TIMEOUT_S, wait_until
 
-from engines import create_vllm_engines, destroy_engines, restart_engine
-from engines.serving import ServingMiddleware, error_body
+from engines import create_vllm_engines, destroy_engines, restart_engine, serving
+from engines.serving import EndpointApi, ServingMiddleware, error_body
 from tasks.engines import wait_ready
 from tasks.run.pool import EnginePool
 
@@ -141,6 +142,36 @@ def test_the_endpoint_serves_again_after_a_restart_and_in_the_engine_table(engin
         model=None, prompt="hi", max_tokens=2
     )
     assert answer.choices and again.startswith(url.rsplit(":", 1)[0])
+
+
+def test_callers_at_once_start_one_endpoint(monkeypatch):
+    """`ready` and `openai_url` from several callers at once, the endpoint
+    not yet up: one server starts, and every caller gets its URL."""
+    started = []
+
+    class Server:
+        def __init__(self, engine):
+            self.url, self.running = None, False
+
+        async def start(self, app, api_key, version):
+            await asyncio.sleep(0.05)  # others call meanwhile
+            started.append(app)
+            self.url, self.running = f"http://h:{len(started)}/v1", True
+
+    class Engine(EndpointApi):
+        config = SimpleNamespace(openai_api=True, name="e0", api_key="k")
+        weight_version = 0
+
+        def _openai_app(self):
+            return "app"
+
+    monkeypatch.setattr(serving, "OpenAIServer", Server)
+    engine = Engine()
+
+    async def callers():
+        return await asyncio.gather(*(engine._serve_openai() for _ in range(3)))
+
+    assert asyncio.run(callers()) == ["http://h:1/v1"] * 3 and started == ["app"]
 
 
 def test_auth_compares_the_whole_bearer_token():

@@ -4,6 +4,8 @@ the tiny model (CPU backend): started from a spec or through
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 from faults import end_generation_thread
@@ -79,6 +81,19 @@ def test_usage_example_generates_tokens(two_engines):
     healths = batch_vllm_engine_call(two_engines, "health")
     assert [h["seed"] for h in healths] == [42, 43]
     assert all(h["alive"] and h["backend"] == "hf" for h in healths)
+
+
+def test_engine_actors_have_their_environment(two_engines):
+    """Passed to the actor, not as a runtime_env (which makes Ray start a
+    worker for it): the variables of `actor_env` are there, one Ray does not
+    set among them."""
+
+    def variable(engine, name: str) -> str | None:
+        return os.environ.get(name)
+
+    ray.get([e.ready.remote() for e in two_engines], timeout=SETUP_TIMEOUT_S)
+    seen = ray.get([e.__ray_call__.remote(variable, "TOKENIZERS_PARALLELISM") for e in two_engines])
+    assert seen == ["false", "false"]
 
 
 def test_a_spec_starts_its_set(ray_local, tiny_model):
