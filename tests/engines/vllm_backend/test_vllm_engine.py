@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import time
 from types import SimpleNamespace
 
@@ -226,3 +227,29 @@ def test_a_probe_aborted_before_its_prefill_is_skipped(engine, monkeypatch):
 
     probing(engine, monkeypatch, aborted)
     assert asyncio.run(engine.probe_logprobs([3, 4, 6])) is None
+
+
+def test_a_prepared_actor_imports_and_starts_no_engine(monkeypatch):
+    """`prepare_only` (engines/lifecycle/prepared.py): the forkserver and
+    vLLM's imports, with the actor's environment set first; no engine
+    arguments, no AsyncLLM; a sweep's shutdown is a no-op."""
+    seen = {}
+
+    def start(preload):
+        seen["preload"] = preload
+        seen["variable"] = os.environ.get("ROLLOUTFLOW_TEST_VARIABLE")
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("a prepared actor started an engine")
+
+    monkeypatch.setattr(vllm_engine.forkserver, "start", start)
+    monkeypatch.setattr(vllm_engine, "vllm_api", lambda: SimpleNamespace())
+    monkeypatch.setattr(vllm_engine, "engine_args", no_engine)
+    monkeypatch.setenv("ROLLOUTFLOW_TEST_VARIABLE", "unset")  # restored after the test
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    config = EngineConfig(name="p-1", seed=0, rpc_timeout_s=5, pretrain="m", max_len=8)
+    engine = VLLMEngine(config, prepare_only=True, environment={"ROLLOUTFLOW_TEST_VARIABLE": "set"})
+    assert seen == {"preload": vllm_engine.ENGINE_CORE_MODULES, "variable": "set"}
+    assert engine.prepared and engine.config.name == "p-1"
+    assert [p.name for p in engine.startup.phases] == ["imports", "vLLM imports"]
+    asyncio.run(engine.shutdown())
