@@ -169,7 +169,13 @@ class RolloutEngine(ControlApi, EndpointApi, WeightApi, AgentApi, abc.ABC):
 
     async def ready(self) -> str:
         """Returns the engine's name once it can serve (start-up is done in
-        __init__, or in a `restart` begun before this call)."""
+        __init__, or in a `restart` or `adopt` begun before this call)."""
+        if self.prepared and self._restart is None:
+            # Ray may run an async actor's calls out of the order they were
+            # sent (https://docs.ray.io/en/latest/ray-core/actors/task-orders.html):
+            # a ready() sent after adopt() to an actor still importing ran
+            # first on one H100 and found no engine.
+            await self._adopting.wait()
         if self._restart is not None:
             await asyncio.shield(self._restart)
         await self.health()
@@ -214,6 +220,7 @@ class RolloutEngine(ControlApi, EndpointApi, WeightApi, AgentApi, abc.ABC):
         this actor's name. Its start-up report holds the imports."""
         self.config = config
         self.prepared = True
+        self._adopting = asyncio.Event()  # set by `adopt`; `ready` waits for it
         self.startup = clock.report(config.name, self.backend)
         logger.info("prepared actor %s: imports done in %.1fs", config.name, self.startup.seconds)
 
@@ -228,6 +235,7 @@ class RolloutEngine(ControlApi, EndpointApi, WeightApi, AgentApi, abc.ABC):
         if not self.prepared or self._restart is not None:
             raise RequestError(f"{self.config.name} is not a prepared actor awaiting an engine")
         self._restart = asyncio.ensure_future(self._adopt(config, env_vars, anchor))
+        self._adopting.set()
 
     async def _adopt(
         self, config: EngineConfig, env_vars: dict[str, str], anchor: dict[str, Any]

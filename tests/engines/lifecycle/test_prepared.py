@@ -80,8 +80,11 @@ def test_prepared_actor_life_cycle(ray_local, tiny_model):
         # The adopter lost in turn: its anchor ends with it.
         ray.kill(engines[0], no_restart=True)
         wait_until(lambda: bundle_cpus_free(engines) == 1.0, 30, "its anchor to end with it")
+        # A ready() that reaches it before its adopt() waits for the engine
+        # (Ray may run an async actor's calls in another order than sent).
+        early = successor.handle.ready.remote()
         assert adopt_prepared(engines, 0) is successor
-        assert get(engines[0].ready.remote(), 120) == f"{prefix}-2"
+        assert get(early, 120) == f"{prefix}-2"
     finally:
         destroy_engines(engines)
     assert existing_engine_names(prefix, engines.namespace) == []
