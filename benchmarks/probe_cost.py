@@ -220,8 +220,9 @@ def report(rounds: list[Round], what: str) -> list[str]:
     return [
         f"== the probe's cost, {what}; medians of {len(off)} rounds off, {len(on)} on ==",
         f"first batch's results released: probe off {released_off:.2f} ms, on "
-        f"{released_on:.2f} ms: the probe adds {added:+.2f} ms = {added / sync_off:+.1%} "
-        f"of the sync ({sync_off:.2f} ms, probe off; target <= +5%); median of the "
+        f"{released_on:.2f} ms: the probe adds {added:+.2f} ms = {added / released_off:+.1%} "
+        f"of the batch's latency (target <= +5%), {added / sync_off:+.1%} of the sync "
+        f"({sync_off:.2f} ms, probe off); median of the "
         f"{len(pairs)} neighbouring pairs' differences {paired:+.2f} ms",
         f"the sync call (returns with the verdict): off {sync_off:.2f} ms, on {sync_on:.2f} ms "
         f"({sync_on - sync_off:+.2f} ms); the probe in the engine "
