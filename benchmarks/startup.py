@@ -2,6 +2,7 @@
 
     python3 benchmarks/startup.py [--backend vllm|hf] [--model DIR] [--enforce-eager]
                                   [--states cold,warm] [--pairs 3] [--replace] [--json out.json]
+                                  [--resume]
 
 vllm (GPU): plain `vllm.LLM(...)` in a fresh process, timed from its launch,
   in vLLM's default environment (as its users start it: no setting of ours;
@@ -28,6 +29,11 @@ hf (CPU): the same with our transformers engine against a fresh process that
 
 Every child process has a deadline (--child-timeout); the JSON (--json) is
 written after each start, so a run cut short keeps what it measured.
+--resume: add this call's pairs to those already in --json (same model,
+  compile caches and backend; pairs go on alternating where they stopped),
+  and print the medians over all of them: 3 pairs of cold and warm starts
+  take longer than one device call may run, so they are split over calls
+  on one machine.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-root", help="compile caches go under it (default: a temp dir)")
     parser.add_argument("--child-timeout", type=float, default=420.0)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--resume", action="store_true", help="add pairs to those in --json")
     parser.add_argument("--child", choices=["plain", "ours", "replace"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     states = [s for s in args.states.split(",") if s]
@@ -78,7 +85,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.model and not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model!r} is not a model directory (no config.json)")
+    if args.resume and args.child is None:
+        if args.json is None or not args.json.is_file():
+            parser.error(f"--resume needs the --json of an earlier run; got {args.json}")
+        if args.model or args.cache_root:
+            parser.error("--resume takes the model and compile caches of the run it resumes")
     return args
+
+
+def resumed(args) -> dict:
+    """The results of the run --resume goes on with, checked to be usable
+    here: same backend and engine arguments, its model and caches still on disk."""
+    results = json.loads(args.json.read_text())
+    for key in ("backend", "enforce_eager", "max_len"):
+        if results.get(key) != getattr(args, key):
+            raise SystemExit(
+                f"--resume: {args.json} has {key}={results.get(key)!r}, this call {key}="
+                f"{getattr(args, key)!r}; pairs are only comparable with the same settings"
+            )
+    for key in ("model", "cache_root"):
+        if not Path(results[key]).is_dir():
+            raise SystemExit(
+                f"--resume: the {key} of {args.json} ({results[key]}) is gone; "
+                "a resumed run must be on the machine of the run it resumes"
+            )
+    return results
 
 
 def run_child(args, kind: str, cache: Path, log: Path) -> dict:
@@ -193,16 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         startup_children.run(args)
         return 0
     work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
-    args.model = args.model or default_model(args, work)
-    cache_root = Path(args.cache_root or work / "cache")
-    results: dict = {
-        "backend": args.backend,
-        "model": args.model,
-        "enforce_eager": args.enforce_eager,
-        "max_len": args.max_len,
-        "pairs": args.pairs,
-        "states": {},
-    }
+    if args.resume:
+        results = resumed(args)
+        args.model = results["model"]
+    else:
+        args.model = args.model or default_model(args, work)
+        results = {
+            "backend": args.backend,
+            "model": args.model,
+            "cache_root": str(Path(args.cache_root or work / "cache")),
+            "enforce_eager": args.enforce_eager,
+            "max_len": args.max_len,
+            "states": {},
+        }
+    cache_root = Path(results["cache_root"])
 
     def save() -> None:
         if args.json:
@@ -210,15 +245,15 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(results, indent=2))
 
     print(f"model {args.model}; compile caches and logs under {work}", flush=True)
-    if "cold" not in args.state_list:
-        for side in ("plain", "ours"):
+    for side in ("plain", "ours"):
+        if "cold" not in args.state_list and not (cache_root / side / "cold-0").exists():
             print(f"filling {side}'s compile cache (not measured) ...", flush=True)
             cache = cache_for(cache_root, side, "cold", 0)
             run_child(args, side, cache, work / f"fill-{side}.log")
     for state in args.state_list:
-        runs: dict[str, list[dict]] = {"plain": [], "ours": []}
-        results["states"][state] = runs
-        for pair in range(args.pairs):
+        runs = results["states"].setdefault(state, {"plain": [], "ours": []})
+        done = max(len(runs["plain"]), len(runs["ours"]))  # a cut call may leave half a pair
+        for pair in range(done, done + args.pairs):
             order = ("plain", "ours") if pair % 2 == 0 else ("ours", "plain")
             for side in order:
                 print(f"{state} pair {pair}: {side} ...", flush=True)
