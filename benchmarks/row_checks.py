@@ -3,8 +3,8 @@ weight version, and every (group, sample) written once. The rows' versions
 are those the engines reported (tasks/partial/segments.py copies them: the CPU
 engine's per token, vLLM's per segment); this checks they fit the run:
 one per token, never decreasing, within the run's bound of the iteration,
-and listed in the row's `weight_versions`. Also the reward of the rows an
-iteration's own version sampled wholly (`newest_version_reward`)."""
+and listed in the row's `weight_versions`. Also the reward of the rows the
+newest version sampled wholly (`newest_version_reward`)."""
 
 from __future__ import annotations
 
@@ -32,28 +32,39 @@ class RowChecks:
 
 @dataclass(frozen=True)
 class NewestReward:
-    """The mean reward of an iteration's rows whose every token its own
-    version sampled, how many rows that is of how many, and their prompts
-    (to hold `sync`'s rows of the same prompts against them)."""
+    """The newest weight version that sampled some of a run's rows wholly,
+    those rows' mean reward, how many there are, and their prompts (to hold
+    `sync`'s rows of that version on the same prompts against them)."""
 
+    version: int | None
     reward: float | None
     rows: int
-    of: int
     prompts: tuple[str, ...]
 
 
-def newest_version_reward(run_dir: Path, iteration: int) -> NewestReward:
-    """Iteration `iteration` samples on version `iteration`. Under `sync`
-    each of its rows is wholly that version's; under `partial` only the
-    groups begun and done within it are, while carried rows began under
-    older versions. So a partial batch's mean reward is partly an older
-    policy's, and this is the reward of the policy after `iteration` steps
-    that both schedules share (biased toward short rows under `partial`)."""
-    rows = read_rows(run_dir / f"iter-{iteration:03d}")
-    newest = [r for r in rows if set(r["token_versions"]) == {iteration}]
+def newest_version_reward(run_dir: Path, iterations: int) -> NewestReward:
+    """The reward of the policy after the most steps that a run's rows
+    show. Iteration `i` samples on version `i`: under `sync` all its rows
+    are wholly that version's, so the newest is the last iteration's.
+    Under `partial` a batch also holds groups begun under older versions,
+    and with `partial_start_next` every group of the last batch began a
+    version back (beside the step before), so its newest wholly sampled
+    rows are version `iterations - 2`'s, in that batch or the one before.
+    A batch's mean mixes those versions; this reads one policy, to set
+    beside `sync`'s rows of the same version (biased toward short rows
+    under `partial`: the long ones span versions)."""
+    by_version: dict[int, list[dict]] = {}
+    for i in range(iterations):
+        for row in read_rows(run_dir / f"iter-{i:03d}"):
+            if len(versions := set(row["token_versions"])) == 1:
+                by_version.setdefault(versions.pop(), []).append(row)
+    if not by_version:
+        return NewestReward(None, None, 0, ())
+    version = max(by_version)
+    newest = by_version[version]
     scored = [r["reward"] for r in newest if r["reward"] is not None]
     reward = sum(scored) / len(scored) if scored else None
-    return NewestReward(reward, len(newest), len(rows), tuple(r["prompt"] for r in newest))
+    return NewestReward(version, reward, len(newest), tuple(r["prompt"] for r in newest))
 
 
 def prompt_rewards(run_dir: Path, iteration: int) -> dict[str, float]:

@@ -219,7 +219,8 @@ def run_one(params, schedule: str) -> dict:
         batch * params.sampling.n,
         params.training.staleness_bound,
     )
-    newest = newest_version_reward(Path(summary.output_dir), len(rows) - 1)
+    run_dir = Path(summary.output_dir)
+    newest = newest_version_reward(run_dir, len(rows))
     phases = {
         "generate_s": mean("generate_seconds"),
         "train_s": mean("train_seconds"),
@@ -234,14 +235,16 @@ def run_one(params, schedule: str) -> dict:
         "steps_per_hour": len(rows) * 3600 / summary.iterations_seconds,
         "reward_first": rows[0].mean_reward,
         "reward_last": rows[-1].mean_reward,
-        # The last batch's rows its own version sampled wholly (partial's
-        # carried rows began under older ones): `row_checks.newest_version_reward`.
-        "reward_last_newest": newest.reward,
-        "rows_last_newest": [newest.rows, newest.of],
-        "prompts_last_newest": list(newest.prompts),
-        # For another run's newest rows, read against this one's on their prompts.
-        "reward_last_by_prompt": prompt_rewards(Path(summary.output_dir), len(rows) - 1),
-        "run_dir": str(summary.output_dir),
+        # The rows the newest version sampled wholly (a partial batch mixes
+        # versions): `row_checks.newest_version_reward`.
+        "newest_version": newest.version,
+        "reward_newest": newest.reward,
+        "rows_newest": newest.rows,
+        "prompts_newest": list(newest.prompts),
+        # Per iteration (= version under sync): another run's newest rows
+        # are read against these on their prompts, from the JSON alone.
+        "reward_by_prompt": [prompt_rewards(run_dir, i) for i in range(len(rows))],
+        "run_dir": str(run_dir),
         "staleness_max": max(row.staleness_max for row in rows),
         # The training work done: a step skips samples whose group agreed, so
         # a schedule whose rows lag learns from more of them per step.

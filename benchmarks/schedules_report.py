@@ -52,9 +52,9 @@ def in_flight_ceiling(sync: dict) -> float:
 
 
 def spread(results: list[dict]) -> str | None:
-    """Each other schedule's reward after the same steps against the range
-    over the `sync` runs' seeds, then on the rows the last version sampled
-    wholly (`row_checks.newest_version_reward`)."""
+    """Each other schedule's last batch's reward against the range over the
+    `sync` runs' seeds, then the reward of its newest version's own rows
+    (`row_checks.newest_version_reward`) against `sync`'s of that version."""
     from benchmarks.row_checks import reward_on_prompts
 
     syncs = [r["reward_last"] for r in results if r["schedule"] == "sync"]
@@ -66,19 +66,24 @@ def spread(results: list[dict]) -> str | None:
         if r["schedule"] != "sync":
             inside = "within" if low <= r["reward_last"] <= high else "outside"
             lines.append(f"{r['schedule']}: {r['reward_last']:.3f} ({inside} sync's spread)")
-    lines.append("the same, on the last batch's rows its own version sampled wholly:")
+    lines.append(
+        "the newest policy each run's rows show (the version that sampled some wholly), "
+        "against sync's rows of that version on the same prompts:"
+    )
     sync_by_seed = {r["seed"]: r for r in results if r["schedule"] == "sync"}
     for r in results:
-        newest, (count, of) = r["reward_last_newest"], r["rows_last_newest"]
-        line = f"  {r['schedule']} seed {r['seed']}: {fmt(newest)} ({count} of {of} rows)"
+        version = r.get("newest_version")
+        line = (
+            f"  {r['schedule']} seed {r['seed']}: version {version}, "
+            f"{fmt(r.get('reward_newest'))} ({r.get('rows_newest', 0)} rows)"
+        )
         same_seed = sync_by_seed.get(r["seed"])
-        if r["schedule"] != "sync" and same_seed is not None:
-            # Those rows lean to the short prompts: sync's rows of the same
-            # prompts are the like-for-like figure.
-            matched = reward_on_prompts(
-                same_seed.get("reward_last_by_prompt", {}), r["prompts_last_newest"]
-            )
-            line += f"; sync seed {r['seed']} on the same prompts: {fmt(matched)}"
+        by_prompt = same_seed.get("reward_by_prompt", []) if same_seed else []
+        if r["schedule"] != "sync" and version is not None and version < len(by_prompt):
+            # Those rows lean to the short prompts: sync's rows of that
+            # version (its iteration) on the same prompts are like for like.
+            matched = reward_on_prompts(by_prompt[version], r["prompts_newest"])
+            line += f"; sync seed {r['seed']}, version {version}, same prompts: {fmt(matched)}"
         lines.append(line)
     return "\n".join(lines)
 

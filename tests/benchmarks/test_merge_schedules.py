@@ -19,9 +19,10 @@ def run(schedule: str, seed: int, steps_per_hour: float, reward_last: float, **e
         "steps_per_hour": steps_per_hour,
         "reward_first": 0.1,
         "reward_last": reward_last,
-        "reward_last_newest": reward_last,
-        "rows_last_newest": [8, 8],
-        "prompts_last_newest": ["a", "b"],
+        "newest_version": 5,
+        "reward_newest": reward_last,
+        "rows_newest": 8,
+        "prompts_newest": ["a", "b"],
         "staleness_max": 0,
         "trained_samples": 40,
         "generate_s": 1.0,
@@ -48,8 +49,8 @@ def test_each_run_is_held_against_its_own_calls_sync(tmp_path, capsys):
     slow = call(
         tmp_path,
         "a.json",
-        run("sync", 42, 100, 0.95, reward_last_by_prompt={"a": 0.9, "b": 0.7}),
-        run("partial_next", 42, 160, 0.90, prompts_last_newest=["b", "b"]),
+        run("sync", 42, 100, 0.95, reward_by_prompt=[{}] * 4 + [{"a": 0.9, "b": 0.7}, {}]),
+        run("partial_next", 42, 160, 0.90, newest_version=4, prompts_newest=["b", "b"]),
     )
     fast = call(tmp_path, "b.json", run("sync", 43, 200, 1.0), run("partial_next", 43, 300, 0.97))
     assert merge_schedules.main([str(slow), str(fast)]) == 0
@@ -59,8 +60,9 @@ def test_each_run_is_held_against_its_own_calls_sync(tmp_path, capsys):
     assert "sync's reward after the same steps over 2 seeds: 0.950-1.000" in out
     assert "partial_next: 0.900 (outside sync's spread)" in out
     assert "partial_next: 0.970 (within sync's spread)" in out
-    # The newest rows' prompts, read against the sync run of its seed from its JSON alone.
-    assert "sync seed 42 on the same prompts: 0.700" in out
+    # The newest rows' prompts and version, read against the sync run of its
+    # seed from its JSON alone.
+    assert "sync seed 42, version 4, same prompts: 0.700" in out
 
 
 def test_a_call_without_sync_is_refused_by_name(tmp_path):
