@@ -16,35 +16,46 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.schedule_run import ScheduleRun  # noqa: E402
 from benchmarks.schedules_report import spread, table  # noqa: E402
 
 
-def load(path: Path) -> list[dict]:
-    """One call's runs, each with `x_sync`: its steps/h over the call's `sync`."""
-    results = json.loads(path.read_text())["results"]
-    syncs = [r["steps_per_hour"] for r in results if r["schedule"] == "sync"]
+@dataclass(frozen=True)
+class CallRun:
+    """A run and the call it came from: its steps/h over that call's `sync`."""
+
+    run: ScheduleRun
+    x_sync: float
+    call: str
+
+
+def load(path: Path) -> list[CallRun]:
+    """One call's runs, each against the call's own `sync`."""
+    results = [ScheduleRun.from_json(r, path) for r in json.loads(path.read_text())["results"]]
+    syncs = [r.steps_per_hour for r in results if r.schedule == "sync"]
     if not syncs:
         raise SystemExit(f"error: {path} holds no sync run to measure the others against")
     base = statistics.fmean(syncs)
-    return [r | {"x_sync": r["steps_per_hour"] / base, "call": path.name} for r in results]
+    return [CallRun(r, r.steps_per_hour / base, path.name) for r in results]
 
 
-def summary(results: list[dict]) -> list[str]:
+def summary(results: list[CallRun]) -> list[str]:
     """Per schedule: the ratios to `sync` by call, their mean and spread, and
     the idle shares."""
     lines = []
-    for schedule in dict.fromkeys(r["schedule"] for r in results):
-        runs = [r for r in results if r["schedule"] == schedule]
-        ratios = [r["x_sync"] for r in runs]
-        idle = [100 * r["engine_idle_fraction"] for r in runs]
-        by_seed = ", ".join(f"{r['seed']}: {r['x_sync']:.2f}x" for r in runs)
+    for schedule in dict.fromkeys(c.run.schedule for c in results):
+        calls = [c for c in results if c.run.schedule == schedule]
+        ratios = [c.x_sync for c in calls]
+        idle = [100 * c.run.engine_idle_fraction for c in calls]
+        by_seed = ", ".join(f"{c.run.seed}: {c.x_sync:.2f}x" for c in calls)
         lines.append(
-            f"{schedule}: {len(runs)} runs; x own call's sync {by_seed} "
+            f"{schedule}: {len(calls)} runs; x own call's sync {by_seed} "
             f"(mean {statistics.fmean(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}); "
             f"idle {', '.join(f'{i:.1f}' for i in idle)}% (mean {statistics.fmean(idle):.1f}%)"
         )
@@ -55,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, nargs="+", help="the calls' --json files")
     args = parser.parse_args(argv)
-    results = [r for path in args.json for r in load(path)]
+    results = [c for path in args.json for c in load(path)]
     for path in args.json:
-        print(f"{path.name}:\n{table([r for r in results if r['call'] == path.name])}\n")
+        print(f"{path.name}:\n{table([c.run for c in results if c.call == path.name])}\n")
     print("\n".join(summary(results)))
-    if (line := spread(results)) is not None:
+    if (line := spread([c.run for c in results])) is not None:
         print(line)
     return 0
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+from benchmarks.schedule_run import ScheduleRun  # noqa: E402
 from benchmarks.schedules_report import report  # noqa: E402
 
 SCHEDULES = ("sync", "overlap", "in_flight", "partial", "partial_stop", "partial_next")
@@ -198,7 +199,7 @@ def params_for(
     return RolloutParams.model_validate(sectioned(fields))
 
 
-def run_one(params, schedule: str) -> dict:
+def run_one(params, schedule: str) -> ScheduleRun:
     from benchmarks.row_checks import check_rows, newest_version_reward, prompt_rewards
     from flows.rollout import rollout
 
@@ -213,56 +214,39 @@ def run_one(params, schedule: str) -> dict:
 
     # A batch: one group of n per row of the prompts file, under every schedule.
     batch = len(Path(params.data.prompts_path).read_text().splitlines())
-    checks = check_rows(
-        Path(summary.output_dir),
-        len(rows),
-        batch * params.sampling.n,
-        params.training.staleness_bound,
-    )
     run_dir = Path(summary.output_dir)
+    checks = check_rows(
+        run_dir, len(rows), batch * params.sampling.n, params.training.staleness_bound
+    )
     newest = newest_version_reward(run_dir, len(rows))
-    phases = {
-        "generate_s": mean("generate_seconds"),
-        "train_s": mean("train_seconds"),
-        "sync_s": mean("sync_seconds"),
-    }
-    return {
-        "checks": asdict(checks) | {"ok": checks.ok},
-        "schedule": schedule,
-        "seed": params.sampling.seed,
-        "steps": len(rows),
-        "iterations_s": summary.iterations_seconds,
-        "steps_per_hour": len(rows) * 3600 / summary.iterations_seconds,
-        "reward_first": rows[0].mean_reward,
-        "reward_last": rows[-1].mean_reward,
-        # The rows the newest version sampled wholly (a partial batch mixes
-        # versions): `row_checks.newest_version_reward`.
-        "newest_version": newest.version,
-        "reward_newest": newest.reward,
-        "rows_newest": newest.rows,
-        "prompts_newest": list(newest.prompts),
-        # Per iteration (= version under sync): another run's newest rows
-        # are read against these on their prompts, from the JSON alone.
-        "reward_by_prompt": [prompt_rewards(run_dir, i) for i in range(len(rows))],
-        "run_dir": str(run_dir),
-        "staleness_max": max(row.staleness_max for row in rows),
-        # The training work done: a step skips samples whose group agreed, so
-        # a schedule whose rows lag learns from more of them per step.
-        "trained_samples": sum(row.trained_samples for row in rows),
-        **phases,
-        # The rest of an iteration's wall time: the flow's hand-offs between
-        # its tasks, the tasks' own bookkeeping, and under `partial` the stop
-        # of what was left running (the abort, the carry written again).
-        "other_s": summary.iterations_seconds / len(rows) - sum(phases.values()),
-        "engine_idle_s": mean("engine_idle_seconds"),
-        "policy_idle_s": mean("policy_idle_seconds"),
-        # The share of the run's wall time no generation ran.
-        "engine_idle_fraction": sum(row.engine_idle_seconds or 0.0 for row in rows)
-        / summary.iterations_seconds,
-        # Per iteration, for the JSON: where a mean hides one slow iteration
-        # (the one whose batch held the long samples).
-        "iterations": [asdict(row) for row in rows],
-    }
+    wall = summary.iterations_seconds
+    phases = mean("generate_seconds"), mean("train_seconds"), mean("sync_seconds")
+    return ScheduleRun(
+        schedule=schedule,
+        seed=params.sampling.seed,
+        steps=len(rows),
+        iterations_s=wall,
+        steps_per_hour=len(rows) * 3600 / wall,
+        reward_first=rows[0].mean_reward,
+        reward_last=rows[-1].mean_reward,
+        newest_version=newest.version,
+        reward_newest=newest.reward,
+        rows_newest=newest.rows,
+        prompts_newest=list(newest.prompts),
+        reward_by_prompt=[prompt_rewards(run_dir, i) for i in range(len(rows))],
+        run_dir=str(run_dir),
+        staleness_max=max(row.staleness_max for row in rows),
+        trained_samples=sum(row.trained_samples for row in rows),
+        generate_s=phases[0],
+        train_s=phases[1],
+        sync_s=phases[2],
+        other_s=wall / len(rows) - sum(phases),
+        engine_idle_s=mean("engine_idle_seconds"),
+        policy_idle_s=mean("policy_idle_seconds"),
+        engine_idle_fraction=sum(row.engine_idle_seconds or 0.0 for row in rows) / wall,
+        checks=asdict(checks) | {"ok": checks.ok},
+        iterations=[asdict(row) for row in rows],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = workdir / "out" / f"{schedule}-{seed}"
                 params = params_for(args, schedule, model, prompts, out, seed)
                 results.append(run_one(params, schedule))
-                print(f"{schedule}: done ({results[-1]['iterations_s']:.1f} s)", flush=True)
+                print(f"{schedule}: done ({results[-1].iterations_s:.1f} s)", flush=True)
                 # After each run: a command cut at its time limit keeps what ran.
                 report(args, results, time.monotonic() - began)
     finally:

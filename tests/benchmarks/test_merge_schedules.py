@@ -9,32 +9,41 @@ import json
 import pytest
 
 from benchmarks import merge_schedules
+from benchmarks.schedule_run import ScheduleRun
 
 
 def run(schedule: str, seed: int, steps_per_hour: float, reward_last: float, **extra) -> dict:
-    return {
-        "schedule": schedule,
-        "seed": seed,
-        "steps": 6,
-        "steps_per_hour": steps_per_hour,
-        "reward_first": 0.1,
-        "reward_last": reward_last,
-        "newest_version": 5,
-        "reward_newest": reward_last,
-        "rows_newest": 8,
-        "prompts_newest": ["a", "b"],
-        "staleness_max": 0,
-        "trained_samples": 40,
-        "generate_s": 1.0,
-        "train_s": 1.0,
-        "sync_s": 0.01,
-        "other_s": 0.1,
-        "engine_idle_s": 0.5,
-        "policy_idle_s": 0.5,
-        "engine_idle_fraction": 0.2,
-        "checks": {"ok": True},
-        **extra,
-    }
+    """One run as a call's JSON holds it."""
+    return ScheduleRun(
+        **{
+            "schedule": schedule,
+            "seed": seed,
+            "steps": 6,
+            "iterations_s": 6 * 3600 / steps_per_hour,
+            "steps_per_hour": steps_per_hour,
+            "reward_first": 0.1,
+            "reward_last": reward_last,
+            "newest_version": 5,
+            "reward_newest": reward_last,
+            "rows_newest": 8,
+            "prompts_newest": ["a", "b"],
+            "reward_by_prompt": [],
+            "run_dir": "/tmp/run",
+            "staleness_max": 0,
+            "trained_samples": 40,
+            "generate_s": 1.0,
+            "train_s": 1.0,
+            "sync_s": 0.01,
+            "other_s": 0.1,
+            "engine_idle_s": 0.5,
+            "policy_idle_s": 0.5,
+            "engine_idle_fraction": 0.2,
+            "checks": {"rows": 8, "bad_versions": 0, "duplicates": 0, "short_iterations": 0}
+            | {"ok": True},
+            "iterations": [],
+            **extra,
+        }
+    ).to_json()
 
 
 def call(tmp_path, name: str, *results: dict):
@@ -69,3 +78,11 @@ def test_a_call_without_sync_is_refused_by_name(tmp_path):
     lone = call(tmp_path, "lone.json", run("partial_next", 42, 160, 0.9))
     with pytest.raises(SystemExit, match="lone.json holds no sync run"):
         merge_schedules.main([str(lone)])
+
+
+def test_a_call_written_before_a_field_existed_is_refused_by_name(tmp_path):
+    old = run("sync", 42, 100, 0.95)
+    del old["reward_by_prompt"], old["newest_version"]
+    path = call(tmp_path, "old.json", old)
+    with pytest.raises(SystemExit, match="old.json holds a run without newest_version, rew"):
+        merge_schedules.main([str(path)])
