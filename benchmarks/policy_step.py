@@ -3,9 +3,13 @@ its time goes: `ReferencePolicy.train_step` on groups shaped as
 `benchmarks/schedules.py --workload long-tail` makes them (one group of `n`
 per row of `training.long_tail`, every sample its row's length, behaviour
 logprobs attached), timed over `--steps` steps after one warm-up, the last
-under torch's profiler. Not a test: it prints figures.
+under torch's profiler. `--autocast`: each step also under a bf16 autocast
+(mixed precision: bf16 matmuls and attention, the weights and their
+update float32), alternating with the float32 step, to weigh it
+before the policy takes it. Not a test: it prints figures.
 
     python3 benchmarks/policy_step.py --gpu --scale 4 --prompts 32 --n 8   # GPU long tail's
+    python3 benchmarks/policy_step.py --gpu --autocast   # and under a bf16 autocast, alternating
     python3 benchmarks/policy_step.py --scale 32 --prompts 16 --n 4        # CPU, tiny model
 """
 
@@ -19,6 +23,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=25, help="profiler rows printed")
+    parser.add_argument(
+        "--autocast",
+        action="store_true",
+        help="also time the step under torch.autocast(bfloat16), alternating with float32",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -97,28 +107,48 @@ def main(argv: list[str] | None = None) -> None:
         for s in g["samples"]
     )
     print(f"{args.prompts} groups of {args.n}, {tokens} tokens, on {policy.device}", flush=True)
-    policy.train_step(groups)  # warm-up: allocator, kernels, the optimizer's state
-    seconds = []
+    # float32 (the policy's step as it runs) and, with --autocast, the same
+    # step under a bf16 autocast, alternating step by step on one policy.
+    modes = {"float32": nullcontext}
+    if args.autocast:
+        modes["bf16 autocast"] = partial(torch.autocast, policy.device.type, dtype=torch.bfloat16)
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    for context in modes.values():
+        with context():
+            policy.train_step(groups)  # warm-up: allocator, kernels, the optimizer's state
+    sort = "cuda_time_total" if args.gpu else "cpu_time_total"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.gpu else [])
     for step in range(args.steps):
         last = step == args.steps - 1
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.gpu else [])
-        with profile(activities=activities) if last else nullcontext() as prof:
-            if args.gpu:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            report = policy.train_step(groups)
-            if args.gpu:
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - started)
-        print(f"step {step + 1}: {seconds[-1]:.3f} s (report {report.seconds:.3f} s)", flush=True)
-    sort = "cuda_time_total" if args.gpu else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows), flush=True)
+        for mode, context in modes.items():
+            with profile(activities=activities) if last else nullcontext() as prof, context():
+                if args.gpu:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                report = policy.train_step(groups)
+                if args.gpu:
+                    torch.cuda.synchronize()
+                seconds[mode].append(time.perf_counter() - started)
+            took = f"{seconds[mode][-1]:.3f} s (report {report.seconds:.3f} s)"
+            print(f"step {step + 1}, {mode}: {took}", flush=True)
+            if last:
+                print(prof.key_averages().table(sort_by=sort, row_limit=args.rows), flush=True)
+    medians = {mode: statistics.median(s) for mode, s in seconds.items()}
     result = {
         "tokens": tokens,
-        "steps_s": seconds,
-        "median_s": statistics.median(seconds),
+        "steps_s": seconds["float32"],
+        "median_s": medians["float32"],
         "device": str(policy.device),
     }
+    if args.autocast:
+        result["autocast_steps_s"] = seconds["bf16 autocast"]
+        result["autocast_median_s"] = medians["bf16 autocast"]
+        print(
+            f"median step: float32 {medians['float32']:.3f} s, bf16 autocast "
+            f"{medians['bf16 autocast']:.3f} s ({medians['bf16 autocast'] / medians['float32']:.2f}"
+            " of float32; the last step of each under the profiler)",
+            flush=True,
+        )
     print(json.dumps(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result))

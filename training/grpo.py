@@ -53,16 +53,21 @@ def token_logprobs(model: Any, sequences: list[list[int]], pad_id: int = 0) -> A
 
 
 def _own_mask(model: Any) -> bool:
-    """Whether `token_logprobs` passes its own 4D mask: a float32 model on
-    SDPA with full attention in every layer. Eager attention adds a 4D mask
-    to its scores (a boolean one would mask nothing), and a prepared mask
-    would stand for sliding windows too: those keep transformers' own."""
+    """Whether `token_logprobs` passes its own 4D mask: a model computing in
+    float32 (not under a half-precision autocast, whose attention flash
+    runs) on SDPA with full attention in every layer. Eager attention adds
+    a 4D mask to its scores (a boolean one would mask nothing), and a
+    prepared mask would stand for sliding windows too: those keep
+    transformers' own."""
     import torch
 
     config = model.config
     layers = set(getattr(config, "layer_types", None) or ["full_attention"])
+    weights = next(model.parameters())
+    device = weights.device.type
+    autocast = torch.is_autocast_enabled(device)
     return (
-        next(model.parameters()).dtype == torch.float32
+        (torch.get_autocast_dtype(device) if autocast else weights.dtype) == torch.float32
         and config._attn_implementation == "sdpa"
         and getattr(config, "sliding_window", None) is None
         and layers == {"full_attention"}

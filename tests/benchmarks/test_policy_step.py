@@ -42,3 +42,20 @@ def test_a_run_on_the_cpu_writes_its_step_times(tmp_path, capsys):
 def test_no_steps_is_refused():
     with pytest.raises(SystemExit):
         policy_step.main(["--steps", "0"])
+
+
+def test_autocast_times_both_steps_alternating(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    policy_step.main(
+        ["--scale", "32", "--prompts", "2", "--n", "2", "--steps", "2", "--rows", "1"]
+        + ["--autocast", "--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    assert len(result["steps_s"]) == len(result["autocast_steps_s"]) == 2
+    printed = capsys.readouterr().out
+    steps = [line.split(":")[0] for line in printed.splitlines() if line.startswith("step ")]
+    assert steps == ["step 1, float32", "step 1, bf16 autocast"] + [
+        "step 2, float32",
+        "step 2, bf16 autocast",
+    ]
+    assert "median step: float32" in printed and "of float32" in printed

@@ -51,6 +51,27 @@ def test_right_padded_logprobs_equal_unpadded_forwards(tiny_model, attention):
             torch.testing.assert_close(alone, expected[:, 0], atol=1e-5, rtol=0)
 
 
+def test_under_a_bf16_autocast_transformers_masks_and_flash_may_run(tiny_model):
+    """The own 4D mask is for float32 attention, which flash does not run;
+    under a bf16 autocast the attention is bf16, and an unpadded batch given
+    no mask may take the flash kernel. Padded rows still match their
+    unpadded forwards, within bf16's rounding."""
+    from training.grpo import _own_mask
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    assert _own_mask(model)
+    sequences = [[5, 9, 200, 31, 7, 8], [44, 2, 3]]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not _own_mask(model)
+        batched = token_logprobs(model, sequences, pad_id=0)
+        for seq, row in zip(sequences, batched, strict=True):
+            (alone,) = token_logprobs(model, [seq], pad_id=0)
+            torch.testing.assert_close(row[: len(seq) - 1], alone, atol=0.05, rtol=0)
+    assert _own_mask(model)
+
+
 def test_loss_pushes_logprobs_along_the_advantage():
     for advantage in (1.0, -1.0):
         logprobs = torch.tensor([-2.0, -1.0], requires_grad=True)
