@@ -97,16 +97,16 @@ def resumed(args) -> dict:
     """The results of the run --resume goes on with, checked to be usable
     here: same backend and engine arguments, its model and caches still on disk."""
     results = json.loads(args.json.read_text())
-    for key in ("backend", "enforce_eager", "max_len"):
+    for key in ("backend", "enforce_eager", "max_len", "gpu_memory_utilization"):
         if results.get(key) != getattr(args, key):
             raise SystemExit(
                 f"--resume: {args.json} has {key}={results.get(key)!r}, this call {key}="
                 f"{getattr(args, key)!r}; pairs are only comparable with the same settings"
             )
     for key in ("model", "cache_root"):
-        if not Path(results[key]).is_dir():
+        if not results.get(key) or not Path(results[key]).is_dir():
             raise SystemExit(
-                f"--resume: the {key} of {args.json} ({results[key]}) is gone; "
+                f"--resume: the {key} of {args.json} ({results.get(key)}) is gone; "
                 "a resumed run must be on the machine of the run it resumes"
             )
     return results
@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             "cache_root": str(Path(args.cache_root or work / "cache")),
             "enforce_eager": args.enforce_eager,
             "max_len": args.max_len,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
             "states": {},
         }
     cache_root = Path(results["cache_root"])

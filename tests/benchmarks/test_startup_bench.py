@@ -53,6 +53,10 @@ def test_resume_refuses_other_settings_and_a_lost_cache(starts, tmp_path):
     startup.main(["--backend", "hf", "--states", "cold", "--pairs", "1", "--json", str(out)])
     with pytest.raises(SystemExit, match="enforce_eager=False, this call enforce_eager=True"):
         startup.main(["--backend", "hf", "--json", str(out), "--resume", "--enforce-eager"])
+    with pytest.raises(SystemExit, match="gpu_memory_utilization=0.85, this call gpu_memory"):
+        startup.main(
+            ["--backend", "hf", "--json", str(out), "--resume", "--gpu-memory-utilization", "0.5"]
+        )
     results = json.loads(out.read_text())
     results["cache_root"] = str(tmp_path / "elsewhere")
     out.write_text(json.dumps(results))
