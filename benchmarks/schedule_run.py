@@ -39,7 +39,7 @@ class ScheduleRun:
     sync_s: float
     #: The rest of an iteration's wall time: the flow's hand-offs between
     #: its tasks, their bookkeeping, and under `partial` the stop of what was
-    #: left running (the abort, the carry written again).
+    #: left running (the abort, the carry written again: `stop_s`).
     other_s: float
     engine_idle_s: float
     policy_idle_s: float
@@ -54,6 +54,15 @@ class ScheduleRun:
     @property
     def rows_ok(self) -> bool:
         return bool(self.checks["ok"])
+
+    @property
+    def stop_s(self) -> float | None:
+        """Per iteration mean of `partial`'s stops, part of `other_s`; None
+        under the other schedules, and for runs written before the flow
+        reported them."""
+        stops = [row.get("stop_seconds") for row in self.iterations]
+        known = [s for s in stops if s is not None]
+        return sum(known) / len(stops) if known else None
 
     def to_json(self) -> dict:
         return asdict(self)

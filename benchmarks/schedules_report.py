@@ -18,7 +18,8 @@ def table(results: list[ScheduleRun]) -> str:
     base = statistics.fmean(syncs) if syncs else results[0].steps_per_hour
     header = (
         f"{'schedule':<12} {'seed':>4} {'steps/h':>8} {'x sync':>7} {'reward':>13} {'stale':>5} "
-        f"{'trained':>7} {'gen s':>6} {'train s':>7} {'sync s':>6} {'other s':>7} {'eng idle':>8} "
+        f"{'trained':>7} {'gen s':>6} {'train s':>7} {'sync s':>6} {'other s':>7} {'stop s':>6} "
+        f"{'eng idle':>8} "
         f"{'idle %':>6} {'pol idle':>8} {'rows ok':>7}"
     )
     lines = [header]
@@ -29,7 +30,7 @@ def table(results: list[ScheduleRun]) -> str:
             f"{r.reward_first:>5.3f}->{r.reward_last:<6.3f} {r.staleness_max:>5} "
             f"{r.trained_samples:>7} "
             f"{r.generate_s:>6.2f} {r.train_s:>7.2f} {r.sync_s:>6.3f} "
-            f"{r.other_s:>7.2f} "
+            f"{r.other_s:>7.2f} {'-' if r.stop_s is None else f'{r.stop_s:.3f}':>6} "
             f"{r.engine_idle_s:>8.2f} {100 * r.engine_idle_fraction:>5.1f}% "
             f"{r.policy_idle_s:>8.2f} {'yes' if r.rows_ok else 'NO':>7}"
         )

@@ -23,7 +23,7 @@ from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
 from tasks.generate import generate_rollouts
-from tasks.partial.left import LeftRunning
+from tasks.partial.left import LeftRunning, LeftStopped
 from tasks.partial.task import PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
 from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
@@ -51,6 +51,8 @@ class Ledger:
     steps: dict[int, StepReport] = field(default_factory=dict)
     #: Sync reports by the iteration whose step made the version they published.
     syncs: dict[int, SyncReport] = field(default_factory=dict)
+    #: Under `partial`, the stops of what ran beside each iteration's step.
+    stops: dict[int, LeftStopped] = field(default_factory=dict)
 
     def close_iterations(self, pipeline: Pipeline) -> None:
         """Add the rows of every iteration now complete (generated, and on an
@@ -59,7 +61,7 @@ class Ledger:
             report, step = self.reports[i], self.steps.get(i)
             if pipeline.trains and (step is None or pipeline.served <= i):
                 return
-            synced = self.syncs.get(i)
+            synced, stopped = self.syncs.get(i), self.stops.get(i)
             if step is not None:
                 self.training.append(
                     TrainingRow.of(
@@ -68,6 +70,7 @@ class Ledger:
                         synced,
                         engine_idle_s=pipeline.engine_idle_s[i],
                         policy_idle_s=pipeline.policy_idle_s[i],
+                        stop_s=stopped.seconds if stopped else None,
                     )
                 )
             self.metrics.append(IterationMetrics.of(report, step, synced))
@@ -118,7 +121,7 @@ def run_iterations(
         while not pipeline.done:
             now = time.monotonic()
             if pipeline.should_sync():
-                now = stop_left_running(left, pipeline)
+                now = stop_left_running(left, pipeline, ledger)
                 pipeline.sync_started(now)
                 made_by = pipeline.trained - 1
                 connect = link.handle is None
@@ -167,12 +170,25 @@ def left_running(partial: bool) -> Iterator[tuple[LeftRunning, ...]]:
             held.abandon()
 
 
-def stop_left_running(left: tuple[LeftRunning, ...], pipeline: Pipeline) -> float:
+def stop_left_running(left: tuple[LeftRunning, ...], pipeline: Pipeline, ledger: Ledger) -> float:
     """Before a sync: stop what `partial` left generating beside the policy
     step. The engines were busy until its last answer, not until the
     generation task's end (nor the stop). Returns the time after the stop."""
-    if left and (busy_until := left[0].stop()) is not None:
-        pipeline.engines_busy(busy_until)
+    stopped = left[0].stop() if left else None
+    if stopped is not None:
+        if stopped.busy_until is not None:
+            pipeline.engines_busy(stopped.busy_until)
+        ledger.stops[stopped.iteration] = stopped
+        get_run_logger().info(
+            "iteration %d: what ran beside the step stopped in %.3f s (thread %.3f, "
+            "the engines' abort %.3f, the aborted segments' answers %.3f, the carry %.3f)",
+            stopped.iteration,
+            stopped.seconds,
+            stopped.join_s,
+            stopped.abort_s,
+            stopped.answers_s,
+            stopped.carry_s,
+        )
     return time.monotonic()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from engines import EngineFailure
 from tasks.partial.runner import SegmentRunner
@@ -24,6 +25,25 @@ from tasks.run.pool import FETCH_TIMEOUT_S
 #: How long the thread waits for an answer before it looks for the stop:
 #: the stop, on the sync's path, waits up to this long for it.
 STOP_CHECK_S = 0.02
+
+
+@dataclass(frozen=True)
+class LeftStopped:
+    """What a stop of `LeftRunning` found and cost, on the sync's path."""
+
+    iteration: int
+    #: Until when the engines were busy with it (`time.monotonic`): the
+    #: stop when a segment still generated, else its last answer; None when
+    #: nothing answered beside the step.
+    busy_until: float | None
+    #: The stop in all, then its parts: the thread's end, the engines'
+    #: answers to the abort, the aborted segments' answers taken, the carry
+    #: written.
+    seconds: float
+    join_s: float
+    abort_s: float
+    answers_s: float
+    carry_s: float
 
 
 class LeftRunning:
@@ -89,26 +109,35 @@ class LeftRunning:
         except BaseException as exc:  # read at the stop, in the flow's thread
             self._error = exc
 
-    def stop(self) -> float | None:
+    def stop(self) -> LeftStopped | None:
         """Abort what runs and rewrite the carry (the held groups, then the
-        next iteration's that were started). Returns until when the engines
-        were busy with it (`time.monotonic`): now when a segment was still
-        generating, else when the last one answered; None when nothing was
-        left running."""
+        next iteration's that were started); None when nothing was held."""
         runner, carry, self._runner = self._runner, self._carry, None
         if runner is None or carry is None:
             return None
+        began = time.monotonic()
         self._join()
-        busy_until = time.monotonic() if runner.flights else self._last_answer
+        joined = time.monotonic()
+        busy_until = joined if runner.flights else self._last_answer
         try:
-            runner.finish()
+            abort_s = runner.finish()
         finally:  # the tokens taken so far are kept whatever the stop raised
+            finished = time.monotonic()
             carry.write(self._iteration, self._groups + self._started)
         # An engine lost beside the step is the sync's to replace (it
         # replaces failed engines first); anything else ends the run.
         if self._error is not None and not isinstance(self._error, EngineFailure):
             raise self._error
-        return busy_until
+        ended = time.monotonic()
+        return LeftStopped(
+            iteration=self._iteration,
+            busy_until=busy_until,
+            seconds=ended - began,
+            join_s=joined - began,
+            abort_s=abort_s,
+            answers_s=finished - joined - abort_s,
+            carry_s=ended - finished,
+        )
 
     def abandon(self) -> None:
         """The run ends before the stop (a failure): cancel what runs."""

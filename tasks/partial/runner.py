@@ -107,16 +107,21 @@ class SegmentRunner:
         cancel(list(self.flights))
         self.flights.clear()
 
-    def finish(self) -> None:
+    def finish(self) -> float:
         """Abort what still runs and take its tokens so far (the samples stay
-        unfinished, to be resumed)."""
+        unfinished, to be resumed). Returns the seconds the engines took to
+        answer the abort (0 when nothing ran)."""
+        abort_s = 0.0
         try:
             if self.flights:
+                began = time.monotonic()
                 self.stop()
+                abort_s = time.monotonic() - began
             while self.flights:
                 self.collect_one()
         finally:
             self.abandon()
+        return abort_s
 
     def send(self, group: GroupState, samples: list[SampleState]) -> None:
         """A group not started yet goes as one request of n samples (as

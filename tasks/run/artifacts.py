@@ -37,5 +37,6 @@ def publish_training_table(rows: list[TrainingRow]) -> None:
         description="Per iteration: mean reward; the samples the step learned from and their "
         "tokens; generate, train and sync seconds; idle seconds of the engines and the "
         "policy; staleness of the rows (versions) and the policy/engine logprob mismatch; "
-        "the weight sync that published the step.",
+        "the weight sync that published the step; under partial, the stop of what ran on "
+        "beside the step.",
     )

@@ -109,6 +109,9 @@ class TrainingRow:
     weight_version: int | None
     sync_bytes: int | None
     sync_gb_per_s: float | None
+    #: Under `partial`, the stop of what ran on beside the step, on the sync's
+    #: path before it (None: nothing was left running).
+    stop_seconds: float | None = None
 
     @classmethod
     def of(
@@ -119,6 +122,7 @@ class TrainingRow:
         *,
         engine_idle_s: float,
         policy_idle_s: float,
+        stop_s: float | None = None,
     ) -> TrainingRow:
         mean, std = rewards_of(report, step) or (step.mean_reward, step.reward_std)
         return cls(
@@ -141,6 +145,7 @@ class TrainingRow:
             weight_version=synced.version if synced else None,
             sync_bytes=synced.bytes if synced else None,
             sync_gb_per_s=round(synced.gb_per_s, 3) if synced else None,
+            stop_seconds=None if stop_s is None else round(stop_s, 3),
         )
 
 

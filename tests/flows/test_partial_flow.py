@@ -50,6 +50,9 @@ def test_partial_rollouts_resume_across_syncs_and_write_each_sample_once(
     assert state.is_completed(), state.message
     summary = state.result()
     assert [step.weight_version for step in summary.training] == [1, 2, 3, 4]
+    # Every sync found groups left running beside the step (the long row's),
+    # and its stop is reported with the iteration that left them.
+    assert all(step.stop_seconds is not None for step in summary.training)
     run_dir = tmp_path / "out" / summary.run_id
     written, all_rows = {}, []
     for i in range(ITERATIONS):

@@ -26,7 +26,8 @@ def new_group(slot: int, prompt_index: int | None = None) -> GroupState:
 def test_left_running_reports_the_engines_busy_until_its_last_answer(pool, tmp_path):
     """The flow counts the engines idle from what `LeftRunning.stop` returns:
     now while a segment still generates, else the time of the last answer
-    (not the generation task's end, not the stop)."""
+    (not the generation task's end, not the stop). The stop's seconds are
+    its parts' sum, the abort counted only when something still ran."""
     long_group, short_group = groups()
     kept = runner(pool)
     assert kept.run([long_group, short_group], keep_running=True) == [short_group]
@@ -34,15 +35,20 @@ def test_left_running_reports_the_engines_busy_until_its_last_answer(pool, tmp_p
     left.hold(kept, CarryStore(tmp_path), 0, [long_group])
     wait_until(lambda: long_group.complete, 120, "the long group to finish")
     before = time.monotonic()
-    until = left.stop()
-    assert until is not None and until <= before
+    stopped = left.stop()
+    assert stopped.busy_until is not None and stopped.busy_until <= before
+    assert stopped.iteration == 0 and stopped.abort_s == 0.0
     # Still generating at the stop: busy until the stop.
     long_group, short_group = groups()
     kept = runner(pool)
     assert kept.run([long_group, short_group], keep_running=True) == [short_group]
-    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
+    left.hold(kept, CarryStore(tmp_path), 3, [long_group])
     before = time.monotonic()
-    assert left.stop() >= before and not long_group.complete
+    stopped = left.stop()
+    assert stopped.busy_until >= before and not long_group.complete
+    parts = stopped.join_s + stopped.abort_s + stopped.answers_s + stopped.carry_s
+    assert stopped.iteration == 3 and stopped.abort_s > 0
+    assert parts == pytest.approx(stopped.seconds)
     assert LeftRunning().stop() is None
 
 
@@ -79,7 +85,7 @@ def test_the_next_groups_start_in_the_places_of_those_that_complete(pool, tmp_pa
     left.hold(kept, CarryStore(tmp_path), 0, [held], following)
     wait_until(lambda: all(g.complete for g in following), 120, "the next groups to complete")
     assert held.complete and not still_generating(kept)
-    until = left.stop()
+    until = left.stop().busy_until
     assert until is not None and until <= time.monotonic()
     carried = CarryStore(tmp_path).load(0)
     assert [(g.origin, g.slot) for g in carried] == [(0, 0), (1, 0), (1, 1), (1, 2)]
