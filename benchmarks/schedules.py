@@ -221,6 +221,7 @@ def run_one(params, schedule: str) -> ScheduleRun:
     newest = newest_version_reward(run_dir, len(rows))
     wall = summary.iterations_seconds
     phases = mean("generate_seconds"), mean("train_seconds"), mean("sync_seconds")
+    stopped = any(row.stop_seconds is not None for row in rows)
     return ScheduleRun(
         schedule=schedule,
         seed=params.sampling.seed,
@@ -246,6 +247,7 @@ def run_one(params, schedule: str) -> ScheduleRun:
         engine_idle_fraction=sum(row.engine_idle_seconds or 0.0 for row in rows) / wall,
         checks=asdict(checks) | {"ok": checks.ok},
         iterations=[asdict(row) for row in rows],
+        stop_s=mean("stop_seconds") if stopped else None,
     )
 
 
