@@ -133,6 +133,8 @@ def print_results(summary) -> None:
             if row.weight_version is not None
             else ""
         )
+        if row.stop_seconds is not None:  # partial: before that sync, on its path
+            synced = f"; left running stopped in {row.stop_seconds:.3f} s{synced}"
         print(
             f"iteration {row.iteration}: mean reward {row.mean_reward:.3f}; generate "
             f"{row.generate_seconds:.1f} s, train {row.train_seconds:.1f} s; idle: engines "
