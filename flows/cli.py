@@ -133,13 +133,17 @@ def print_results(summary) -> None:
             if row.weight_version is not None
             else ""
         )
-        if row.stop_seconds is not None:  # partial: before that sync, on its path
-            synced = f"; left running stopped in {row.stop_seconds:.3f} s{synced}"
+        # partial: the stop of what ran beside the step, on the sync's path.
+        stopped = (
+            ""
+            if row.stop_seconds is None
+            else f"; left running stopped in {row.stop_seconds:.3f} s"
+        )
         print(
             f"iteration {row.iteration}: mean reward {row.mean_reward:.3f}; generate "
             f"{row.generate_seconds:.1f} s, train {row.train_seconds:.1f} s; idle: engines "
             f"{row.engine_idle_seconds:.1f} s, policy {row.policy_idle_seconds:.1f} s; "
-            f"staleness {row.staleness_max}{mismatch}{synced}"
+            f"staleness {row.staleness_max}{mismatch}{stopped}{synced}"
         )
     print(f"\n{summary.rows} rollouts written to {summary.output_dir}")
     if summary.curves:

@@ -23,7 +23,7 @@ from engines.weight_sync.errors import WeightSyncError
 from flows.params import RolloutParams
 from flows.schedule import Pipeline
 from tasks.generate import generate_rollouts
-from tasks.partial.left import LeftRunning, LeftStopped
+from tasks.partial.left import LeftRunning
 from tasks.partial.task import PartialPlan, generate_partial_rollouts, in_flight_groups
 from tasks.run.loggers import MetricsLogger
 from tasks.run.plans import GenerationPlan, IterationReport, PolicyLink
@@ -51,8 +51,9 @@ class Ledger:
     steps: dict[int, StepReport] = field(default_factory=dict)
     #: Sync reports by the iteration whose step made the version they published.
     syncs: dict[int, SyncReport] = field(default_factory=dict)
-    #: Under `partial`, the stops of what ran beside each iteration's step.
-    stops: dict[int, LeftStopped] = field(default_factory=dict)
+    #: Under `partial`, the seconds of the stop of what ran beside each
+    #: iteration's step.
+    stop_s: dict[int, float] = field(default_factory=dict)
 
     def close_iterations(self, pipeline: Pipeline) -> None:
         """Add the rows of every iteration now complete (generated, and on an
@@ -61,7 +62,7 @@ class Ledger:
             report, step = self.reports[i], self.steps.get(i)
             if pipeline.trains and (step is None or pipeline.served <= i):
                 return
-            synced, stopped = self.syncs.get(i), self.stops.get(i)
+            synced = self.syncs.get(i)
             if step is not None:
                 self.training.append(
                     TrainingRow.of(
@@ -70,7 +71,7 @@ class Ledger:
                         synced,
                         engine_idle_s=pipeline.engine_idle_s[i],
                         policy_idle_s=pipeline.policy_idle_s[i],
-                        stop_s=stopped.seconds if stopped else None,
+                        stop_s=self.stop_s.get(i),
                     )
                 )
             self.metrics.append(IterationMetrics.of(report, step, synced))
@@ -178,7 +179,7 @@ def stop_left_running(left: tuple[LeftRunning, ...], pipeline: Pipeline, ledger:
     if stopped is not None:
         if stopped.busy_until is not None:
             pipeline.engines_busy(stopped.busy_until)
-        ledger.stops[stopped.iteration] = stopped
+        ledger.stop_s[stopped.iteration] = stopped.seconds
         get_run_logger().info(
             "iteration %d: what ran beside the step stopped in %.3f s (thread %.3f, "
             "the engines' abort %.3f, the aborted segments' answers %.3f, the carry %.3f)",
