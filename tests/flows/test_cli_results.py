@@ -6,21 +6,29 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from flows.cli import print_results
+from tasks.run.report import TrainingRow
 
 
-def row(iteration: int, stop_seconds: float | None) -> SimpleNamespace:
-    return SimpleNamespace(
+def row(iteration: int, stop_seconds: float | None) -> TrainingRow:
+    # The real row type: a field renamed there fails here too.
+    return TrainingRow(
         iteration=iteration,
         mean_reward=0.5,
+        reward_std=0.1,
+        samples=64,
+        trained_samples=60,
+        trained_tokens=6_000,
         generate_seconds=1.0,
+        reward_seconds=0.01,
         train_seconds=2.0,
         engine_idle_seconds=0.1,
         policy_idle_seconds=0.2,
         staleness_max=1,
         logprob_mismatch=None,
+        sync_seconds=0.02,
         weight_version=iteration + 1,
         sync_bytes=2_000_000,
-        sync_seconds=0.02,
+        sync_gb_per_s=0.1,
         stop_seconds=stop_seconds,
     )
 
