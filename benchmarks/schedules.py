@@ -97,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--colocate", action="store_true", help="vLLM: the policy on the engines' GPU"
     )
+    parser.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="what the policy's step computes in (bfloat16: under torch.autocast)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
         "--prompts-seed",
@@ -176,6 +182,7 @@ def params_for(
         max_len=max_len(args),
         iterations=args.steps,
         learning_rate=args.learning_rate,
+        compute_dtype=args.compute_dtype,
         seed=seed,
         schedule=flow_schedule,
         dynamic_sampling=args.dynamic_sampling,

@@ -175,6 +175,7 @@ FLAG_PAIRS: tuple[FlagPair, ...] = (
             "dynamic_sampling",
             "learning_rate",
             "micro_batch_tokens",
+            "compute_dtype",
             "weight_sync_probe",
         )
     ),

@@ -246,4 +246,5 @@ def manifest(params: RolloutParams, prompts: Prompts, model: str) -> dict:
         "reward_style": params.training.reward_style,
         "train": params.training.train,
         "learning_rate": params.training.learning_rate,
+        "compute_dtype": params.training.compute_dtype,
     }

@@ -51,6 +51,12 @@ class TrainingParams(BaseModel):
         "ppo_max_token_len_per_gpu); the step's gradient is accumulated over micro-batches, "
         "so its memory does not grow with n or the batch.",
     )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="What the policy's step computes in: 'bfloat16' under torch.autocast "
+        "(as verl's FSDP actor by default), its weights, gradients and optimizer still "
+        "float32; 'float32' with TF32 matmuls on a GPU.",
+    )
     colocate: bool = Field(
         False,
         description="On-policy runs: the policy shares one GPU with the engines and their "

@@ -116,6 +116,7 @@ def policy_config(params: RolloutParams, model: str, backend: str) -> PolicyConf
         pretrain=model,
         learning_rate=params.training.learning_rate,
         micro_batch_tokens=params.training.micro_batch_tokens,
+        compute_dtype=params.training.compute_dtype,
         seed=params.sampling.seed,
         device="cuda" if on_gpu else "cpu",
         transport=transport_for(

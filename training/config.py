@@ -31,6 +31,12 @@ class PolicyConfig(BaseModel):
         "ppo_max_token_len_per_gpu): the step's gradient is accumulated over micro-batches "
         "of at most this many, so its activations fit whatever the batch.",
     )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="What the step's forward and backward compute in. 'bfloat16': under "
+        "torch.autocast, as verl's FSDP actor computes by default (its mixed_precision's "
+        "param_dtype); the weights, their gradients and the optimizer stay float32.",
+    )
     torch_threads: int = Field(1, ge=1)
     device: str = "cpu"
     sync_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

@@ -242,7 +242,7 @@ class ReferencePolicy(Trainer):
         # Nothing is read back until the step ends, so the CPU queues the
         # micro-batches while the GPU runs the ones before.
         losses = []
-        with tf32_matmuls(self.device):
+        with tf32_matmuls(self.device), self._compute_dtype():
             for batch in micro_batches(sequences, self.config.micro_batch_tokens):
                 logprobs = token_logprobs(self.model, [sequences[i] for i in batch], self.pad_id)
                 loss = micro_batch_loss(
@@ -261,6 +261,13 @@ class ReferencePolicy(Trainer):
         )
         self.optimizer.step()
         return loss_value, grad_norm
+
+    def _compute_dtype(self) -> contextlib.AbstractContextManager:
+        import torch
+
+        if self.config.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.config.compute_dtype))
 
     def _check_fresh(self, groups: list[RolloutGroup]) -> None:
         oldest = min(s.oldest_version for g in groups for s in g.samples)

@@ -293,6 +293,7 @@ REFUSED = [
     ({"dynamic_sampling": True, "n": 2}, "--dynamic-sampling", "--reward"),
     ({"learning_rate": 0.1}, "--learning-rate 0.1", "--reward"),
     ({"micro_batch_tokens": 512}, "--micro-batch-tokens 512", "--reward"),
+    ({"compute_dtype": "bfloat16"}, "--compute-dtype bfloat16", "--reward"),
     ({"weight_sync_probe": False}, "--no-weight-sync-probe", "--reward"),
     ({"train": False}, "--no-train", "--reward"),
     (

@@ -48,6 +48,25 @@ def test_micro_batches_give_the_step_of_one_batch(tiny_model):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_a_bf16_step_computes_under_autocast_and_keeps_float32_weights(tiny_model):
+    """`compute_dtype="bfloat16"`: the step's gradients come from a bf16
+    forward and backward (near the float32 step's, not equal to them), while
+    the weights, their gradients and Adam's state stay float32. (An
+    on-policy first step's loss is 0 in both: ratio 1, advantages centred.)"""
+    full = ReferencePolicy(PolicyConfig(pretrain=tiny_model, learning_rate=0.01))
+    half = ReferencePolicy(
+        PolicyConfig(pretrain=tiny_model, learning_rate=0.01, compute_dtype="bfloat16")
+    )
+    a, b = full.train_step(groups()), half.train_step(groups())
+    assert a.grad_norm != b.grad_norm and abs(a.grad_norm - b.grad_norm) < 0.1 * a.grad_norm
+    assert {p.dtype for p in half.model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in half.model.parameters()} == {torch.float32}
+    state = [t for s in half.optimizer.state.values() for t in s.values() if t.dim()]
+    assert state and {t.dtype for t in state} == {torch.float32}
+    # Outside the step nothing is left under autocast (the probe's reference).
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_a_lora_policy_trains_and_sends_its_adapter_only(tiny_model):
     config = PolicyConfig(
         pretrain=tiny_model,
