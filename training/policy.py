@@ -88,9 +88,11 @@ def alloc_retries(device: Any) -> int:
 
 class ReferencePolicy(Trainer):
     def __init__(self, config: PolicyConfig | dict):
+        began = time.monotonic()
         import torch
         from transformers import AutoModelForCausalLM
 
+        imported = time.monotonic()
         self.config = PolicyConfig.model_validate(config)
         torch.set_num_threads(self.config.torch_threads)
         torch.manual_seed(self.config.seed)
@@ -98,6 +100,7 @@ class ReferencePolicy(Trainer):
         self.model = AutoModelForCausalLM.from_pretrained(
             self.config.pretrain, dtype=torch.float32
         ).to(self.device)
+        loaded = time.monotonic()
         self.lora = self._lora()
         if self.lora is not None:
             from peft import LoraConfig, get_peft_model
@@ -118,7 +121,17 @@ class ReferencePolicy(Trainer):
             weight_decay=self.config.weight_decay,
         )
         self.weight_version = 0
-        logger.info("policy %s loaded on %s", self.config.pretrain, self.device)
+        # Its parts, since a colocated policy's start-up decides whether the
+        # engines have work left when its first step begins.
+        logger.info(
+            "policy %s loaded on %s in %.2f s (imports %.2f s, model %.2f s, the rest %.2f s)",
+            self.config.pretrain,
+            self.device,
+            time.monotonic() - began,
+            imported - began,
+            loaded - imported,
+            time.monotonic() - loaded,
+        )
 
     # --- Trainer ------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, Any]]:
