@@ -174,13 +174,15 @@ def start_and_iterate(
 ) -> float:
     """Start the policy and the reward actor beside the engines, wait for
     the engines, run the iterations; returns the iterations' seconds."""
-    on_policy, colocate = params.on_policy, params.training.colocate
+    on_policy = params.on_policy
     # The policy and the reward actor start while the engines start (after
     # them: the engines' placement group is reserved first), and iteration
     # 0's generation does not wait for the policy. A policy on the engines'
-    # GPU starts once they are up: its memory would change under their KV
-    # cache sizing (engines.base.wait_turn).
-    if on_policy and not colocate:
+    # GPU loads its model once they are up, its memory would change under
+    # their KV cache sizing (training.policy_actor.loading_after); its
+    # worker and imports run meanwhile, or the engines would have finished
+    # iteration 0's groups and idle through its first step.
+    if on_policy:
         side.start_policy(pool, cluster.backend)
     if params.training.reward:
         side.scorer = start_reward_scorer(
@@ -192,8 +194,6 @@ def start_and_iterate(
     wait_until_ready.with_options(retries=params.cluster.engine_retries)(
         pool, params.cluster.ready_timeout_s
     )
-    if on_policy and colocate:
-        side.start_policy(pool, cluster.backend)
     agent = side.agent_plan(pool)
     with frozen_heap():
         looped = time.monotonic()

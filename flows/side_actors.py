@@ -18,7 +18,8 @@ from tasks.run.pool import EnginePool
 from tasks.run.scope import RunScope
 from tasks.train import wait_for_policy
 from training.config import PolicyConfig
-from training.policy import create_policy_actor, engine_dtype
+from training.policy import engine_dtype
+from training.policy_actor import create_policy_actor
 
 
 @dataclass
@@ -90,11 +91,15 @@ class SideActors:
                 self.router.close()
 
     def start_policy(self, pool: EnginePool, backend: str) -> None:
-        """The policy goes beside the engines on their GPU (colocate), else
-        on a GPU of its own on a GPU cluster."""
+        """The policy goes beside the engines on their GPU (colocate), its
+        model loaded once they are up, else on a GPU of its own on a GPU
+        cluster."""
         params, scope = self.params, self.scope
+        timeout_s = params.cluster.ready_timeout_s
         if params.training.colocate:
             placement = pool.engines.placement.trainer_options()
+            placement.update(after=pool.engines.up(), after_timeout_s=timeout_s)
+            timeout_s *= 2  # its wait for the engines, then its own start
         else:
             placement = {"num_gpus": 1 if backend == "vllm" else 0}
         self.policy = create_policy_actor(
@@ -103,7 +108,6 @@ class SideActors:
             namespace=scope.namespace,
             **placement,
         )
-        timeout_s = params.cluster.ready_timeout_s
         self.policy_up = wait_for_policy.submit(self.policy, ready_timeout_s=timeout_s)
 
 

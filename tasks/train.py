@@ -33,6 +33,7 @@ def wait_for_policy(policy: Any, *, ready_timeout_s: float = 600.0) -> Any:
         ray.kill(policy, no_restart=True)
         raise
     logger.info("policy up after %.1fs more: %s", time.monotonic() - started, state)
+    logger.info("policy start-up: %s", get(policy.startup_report.remote(), 60.0, "policy"))
     return policy
 
 

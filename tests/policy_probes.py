@@ -9,7 +9,8 @@ import sys
 from typing import Any
 
 from training.grpo import token_logprobs
-from training.policy import ReferencePolicy, create_policy_actor
+from training.policy import ReferencePolicy
+from training.policy_actor import create_policy_actor
 
 
 class PolicyProbes:

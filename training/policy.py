@@ -1,5 +1,5 @@
 """The reference policy: a transformers causal LM trained with a GRPO-style
-step, meant to run as a Ray actor (`create_policy_actor`) next to the engines.
+step, meant to run as a Ray actor next to the engines (`training.policy_actor`).
 It is the smallest real trainer, for the CPU tests and demo flow; large
 models plug in their own `Trainer`."""
 
@@ -10,6 +10,7 @@ import logging
 import statistics
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from engines.weight_sync import LoraSpec, LoraSync
@@ -86,6 +87,21 @@ def alloc_retries(device: Any) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
+@dataclass(frozen=True)
+class PolicyStartup:
+    """Where a policy actor's start went, in seconds. A colocated policy's
+    start decides whether the engines still have work when its first step
+    begins (docs/schedules.md)."""
+
+    imports_s: float
+    #: Waiting for the engines on its GPU to be up, its imports done
+    #: (`create_policy_actor`'s `after`); 0 when it did not wait.
+    turn_s: float
+    model_s: float
+    #: The optimizer, the adapter, the sync buffer.
+    rest_s: float
+
+
 class ReferencePolicy(Trainer):
     def __init__(self, config: PolicyConfig | dict):
         began = time.monotonic()
@@ -121,17 +137,13 @@ class ReferencePolicy(Trainer):
             weight_decay=self.config.weight_decay,
         )
         self.weight_version = 0
-        # Its parts, since a colocated policy's start-up decides whether the
-        # engines have work left when its first step begins.
-        logger.info(
-            "policy %s loaded on %s in %.2f s (imports %.2f s, model %.2f s, the rest %.2f s)",
-            self.config.pretrain,
-            self.device,
-            time.monotonic() - began,
-            imported - began,
-            loaded - imported,
-            time.monotonic() - loaded,
+        self.startup = PolicyStartup(
+            imports_s=imported - began,
+            turn_s=0.0,
+            model_s=loaded - imported,
+            rest_s=time.monotonic() - loaded,
         )
+        logger.info("policy %s loaded on %s", self.config.pretrain, self.device)
 
     # --- Trainer ------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, Any]]:
@@ -298,33 +310,5 @@ class ReferencePolicy(Trainer):
             "device": str(self.device),
         }
 
-
-def create_policy_actor(
-    config: PolicyConfig | dict,
-    *,
-    name: str | None = None,
-    namespace: str | None = None,
-    num_cpus: float = 1,
-    num_gpus: float = 0,
-    scheduling_strategy: Any = None,
-    policy_class: type[ReferencePolicy] = ReferencePolicy,
-):
-    """Start `policy_class` (`ReferencePolicy`, or a subclass) as a Ray actor
-    (loads the model in the background; `ray.get(actor.health.remote())`
-    waits for it). `scheduling_strategy`: e.g. a bundle of the engines'
-    placement group, to share their GPU (`EnginePlacement.trainer_options`)."""
-    import ray
-
-    config = PolicyConfig.model_validate(config)
-    threads = str(config.torch_threads)
-    options: dict[str, Any] = dict(
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        max_restarts=0,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}},
-    )
-    if scheduling_strategy is not None:
-        options["scheduling_strategy"] = scheduling_strategy
-    if name is not None:
-        options.update(name=name, namespace=namespace)
-    return ray.remote(policy_class).options(**options).remote(config.model_dump())
+    def startup_report(self) -> PolicyStartup:
+        return self.startup

@@ -180,8 +180,7 @@ def start_on(spec: EngineSetSpec, placement: EnginePlacement) -> EngineSet:
             if placement.one_at_a_time:
                 turn = [spare.asleep]
         if spec.prepared_actors:
-            up = [handle.ready.remote() for handle in handles]
-            up += [spare.asleep for spare in engines.spares]
+            up = engines.up()
         for k in range(spec.prepared_actors):
             start_prepared(engines, placement.bundles[k % spec.num_engines][0], after=up)
     except BaseException:

@@ -69,6 +69,12 @@ class EngineSet(list):
         # `<prefix>-<i>` past the engines, so sweeps by name find them too.
         self.next_index = len(handles)
 
+    def up(self) -> list[Any]:
+        """Refs done once every engine is up and every spare asleep: what
+        starts on their GPU after them waits for these (their outcome does
+        not matter: a failed engine frees its memory too)."""
+        return [handle.ready.remote() for handle in self] + [spare.asleep for spare in self.spares]
+
     @property
     def api_key(self) -> str | None:
         """The bearer token of the engines' OpenAI endpoints (None when off)."""

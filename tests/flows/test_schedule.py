@@ -272,7 +272,7 @@ def test_the_wait_for_a_policy_that_comes_up_after_generation_0_is_start_up():
     pipeline.start(0.0)
     pipeline.generation_started(0, 0.0)
     pipeline.generation_done(0, 2.0)
-    pipeline.policy_up(5.0)  # a colocated policy starts after the engines
+    pipeline.policy_up(5.0)  # a colocated policy loads once the engines are up
     pipeline.training_started(0, 5.0)
     pipeline.training_done(1, 6.0)
     pipeline.sync_started(6.0)

@@ -24,7 +24,8 @@ from tasks.run.shards import read_rows, write_atomically
 from tasks.run.writer import add_rewards
 from tasks.sync_weights import init_weight_sync, sync_weights
 from tasks.train import train_on_rollouts, wait_for_policy
-from training.policy import PolicyConfig, create_policy_actor
+from training.config import PolicyConfig
+from training.policy_actor import create_policy_actor
 from training.rewards import start_reward_scorer
 from training.rollouts import StaleRolloutError, groups_from_rows
 
