@@ -8,7 +8,8 @@ held groups make until the step ends, and the next iteration finds groups
 done. The flow stops it all before the sync (a vLLM segment runs under one
 version, so the sync must find the engines idle): the unfinished samples'
 tokens so far, and the next iteration's groups that were started, go into
-the iteration's carry.
+the iteration's carry, which the next iteration takes from the stop
+(`LeftRunning.carried`) rather than read back from disk.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class LeftRunning:
         self._places = 0
         self._last_answer: float | None = None
         self._error: BaseException | None = None
+        #: (iteration, groups) of the last stop's carry, until the next iteration takes it.
+        self._carried: tuple[int, list[GroupState]] | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -119,16 +122,18 @@ class LeftRunning:
         self._join()
         joined = time.monotonic()
         busy_until = joined if runner.flights else self._last_answer
+        held = self._groups + self._started
         try:
             abort_s = runner.finish()
         finally:  # the tokens taken so far are kept whatever the stop raised
             finished = time.monotonic()
-            carry.write(self._iteration, self._groups + self._started)
+            carry.write(self._iteration, held)
         # An engine lost beside the step is the sync's to replace (it
         # replaces failed engines first); anything else ends the run.
         if self._error is not None and not isinstance(self._error, EngineFailure):
             raise self._error
         ended = time.monotonic()
+        self._carried = (self._iteration, held)
         return LeftStopped(
             iteration=self._iteration,
             busy_until=busy_until,
@@ -139,8 +144,21 @@ class LeftRunning:
             carry_s=ended - finished,
         )
 
+    def carried(self, iteration: int) -> list[GroupState] | None:
+        """The groups the last stop wrote to `iteration`'s carry, given once:
+        the next iteration's generation starts from them instead of reading
+        the file back while the engines wait (its parse took longer than its
+        writing: benchmarks/carry_cost.py). None when no stop wrote that
+        carry in this process, or it was taken: a retry, whose first try
+        changed the groups, and a resumed run start from the file."""
+        carried, self._carried = self._carried, None
+        if carried is None or carried[0] != iteration:
+            return None
+        return carried[1]
+
     def abandon(self) -> None:
         """The run ends before the stop (a failure): cancel what runs."""
+        self._carried = None
         runner, self._runner = self._runner, None
         if runner is not None:
             try:

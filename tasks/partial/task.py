@@ -149,7 +149,7 @@ def generate_partial_rollouts(
         return IterationReport(
             **report, shards_skipped=1, seconds=0.0, generated_rows=0, generated_tokens=0
         )
-    carried = carry.load(g.iteration - 1)
+    carried = carried_groups(left, carry, g.iteration - 1)
     due = [c for c in carried if c.waited(g.iteration) >= plan.max_wait]
     runner = SegmentRunner(
         pool,
@@ -203,6 +203,14 @@ def generate_partial_rollouts(
         following = next_groups(plan, prompts, rest) if plan.start_next else []
         left.hold(runner, carry, g.iteration, rest, following)
     return done
+
+
+def carried_groups(left: LeftRunning | None, carry: CarryStore, iteration: int) -> list[GroupState]:
+    """The groups `iteration` carries to the next: from the stop that wrote
+    them when it ran in this process (`LeftRunning.carried`), else from the
+    file (the first iteration after a resume, a retry)."""
+    carried = left.carried(iteration) if left is not None else None
+    return carry.load(iteration) if carried is None else carried
 
 
 def take_batch(

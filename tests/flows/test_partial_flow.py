@@ -23,7 +23,7 @@ ITERATIONS, WAIT, PROMPTS, N = 4, 2, 8, 2
 
 @pytest.mark.parametrize("start_next", [False, True], ids=["held", "start-next"])
 def test_partial_rollouts_resume_across_syncs_and_write_each_sample_once(
-    ray_local, tiny_model, tmp_path, start_next
+    ray_local, tiny_model, tmp_path, start_next, monkeypatch
 ):
     rows = make_rows(PROMPTS, seed=3, scale=32)  # 2-16 tokens, one row of 256
     prompts = tmp_path / "long_tail.jsonl"
@@ -46,13 +46,18 @@ def test_partial_rollouts_resume_across_syncs_and_write_each_sample_once(
             partial_start_next=start_next,
         )
     )
+    read_back = []
+    load = CarryStore.load
+    monkeypatch.setattr(CarryStore, "load", lambda self, i: read_back.append(i) or load(self, i))
     state = rollout(params, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
     assert [step.weight_version for step in summary.training] == [1, 2, 3, 4]
     # Every sync found groups left running beside the step (the long row's),
-    # and its stop is reported with the iteration that left them.
+    # and its stop is reported with the iteration that left them; the next
+    # iteration took that carry from the stop, not from the file.
     assert all(step.stop_seconds is not None for step in summary.training)
+    assert read_back == [-1], read_back
     run_dir = tmp_path / "out" / summary.run_id
     written, all_rows = {}, []
     for i in range(ITERATIONS):

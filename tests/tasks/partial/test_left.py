@@ -130,6 +130,27 @@ def test_no_next_group_starts_while_the_held_ones_keep_their_places(pool, tmp_pa
     assert all(s.finish_reason == "abort" and s.token_ids for s in carried[0].samples)
 
 
+def test_the_next_iteration_takes_the_stops_carry_once(pool, tmp_path):
+    """The carry the stop wrote goes to the next iteration from memory, as
+    the file holds it (aborted samples with their tokens so far), once: a
+    retry of that iteration, whose first try changed the groups, and any
+    other iteration get None and read the file."""
+    long_group, short_group = groups()
+    kept = runner(pool)
+    assert kept.run([long_group, short_group], keep_running=True) == [short_group]
+    left = LeftRunning()
+    assert left.carried(0) is None
+    left.hold(kept, CarryStore(tmp_path), 0, [long_group])
+    left.stop()
+    assert left.carried(1) is None  # not the iteration the stop wrote
+    left.hold(runner(pool), CarryStore(tmp_path), 0, [long_group])
+    left.stop()
+    carried = left.carried(0)
+    assert carried == CarryStore(tmp_path).load(0) and carried[0] is long_group
+    assert any(s.token_ids and not s.done for s in long_group.samples)
+    assert left.carried(0) is None
+
+
 def test_a_bad_next_group_ends_the_run_at_the_stop_with_the_carry_written(pool, tmp_path):
     """A request no engine can serve (an empty prompt) is no engine's
     failure: the stop still writes the carry, then raises it."""

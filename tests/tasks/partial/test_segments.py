@@ -5,11 +5,14 @@ carry's JSON round trip."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
+
+import pytest
 
 from engines.outputs import CompletionOutput, Logprob, RequestOutput
 from engines.sampling import SamplingParams
-from tasks.partial.segments import GroupState, SampleState, segment_seed
+from tasks.partial.segments import CarryStore, GroupState, SampleState, dumps, segment_seed
 from tasks.run.records import rows_for
 
 SAMPLING = SamplingParams(n=4, max_tokens=10, min_tokens=3, temperature=1.0, logprobs=0)
@@ -72,3 +75,32 @@ def test_a_group_with_an_unfinished_sample_is_not_complete():
     assert not group.complete
     samples[1].absorb(*answer([], [], "abort"))  # aborted before its batch ran
     assert not group.complete and samples[1].prompt() == [7, 8]
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [None, "nan", "-inf", "seed"],
+    ids=["finite", "nan-logprob", "infinite-cumulative", "seed-past-64-bits"],
+)
+def test_the_carry_reads_back_as_written(tmp_path, odd):
+    """The carry is written with orjson; what orjson cannot write as `json`
+    reads it back (a non-finite logprob, an integer past 64 bits) goes
+    through `json`, so every carry loads as the groups it was written from."""
+    sample = SampleState(index=0, budget=8)
+    sample.absorb(*answer([1, 2, 3], [0, 0, 0], "abort"))
+    group = GroupState(origin=0, slot=0, prompt_index=0, seed=9, samples=[sample])
+    if odd == "nan":
+        sample.positions[1][0][1] = math.nan
+    elif odd == "-inf":
+        sample.cumulative = -math.inf
+    elif odd == "seed":
+        group.seed = 2**70
+    assert sample.finite() == (odd not in ("nan", "-inf"))
+    store = CarryStore(tmp_path)
+    store.write(0, [group])
+    (again,) = store.load(0)
+    assert json.loads(dumps([group])) == json.loads(json.dumps([group.to_json()]))
+    if odd == "nan":  # NaN equals nothing: compare the rest, and that it is NaN
+        assert math.isnan(again.samples[0].positions[1][0][1])
+        again.samples[0].positions[1][0][1] = sample.positions[1][0][1] = 0.0
+    assert again == group
