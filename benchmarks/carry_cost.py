@@ -81,11 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
-    from tasks.partial.segments import CarryStore, dumps
+    from tasks.partial.segments import dumps
 
     groups = make_carry(args.prompts, args.n, args.scale, args.in_flight, args.seed)
     positions = sum(len(s.token_ids) for g in groups for s in g.samples)
-    store = CarryStore(tempfile.mkdtemp(prefix="carry-cost-"))
     text = dumps(groups)
     if json.loads(text) != json.loads(json.dumps([g.to_json() for g in groups])):
         raise SystemExit("error: the two writers' carries differ")
@@ -94,18 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(text) / 1e6:.1f} MB (--scale {args.scale}, {args.prompts} prompts)",
         flush=True,
     )
-    timed = {
-        "json.dumps": lambda: json.dumps([g.to_json() for g in groups]),
-        "dumps": lambda: dumps(groups),
-        "write": lambda: store.write(0, groups),
-        "load": lambda: store.load(0),
-    }
-    seconds: dict[str, list[float]] = {name: [] for name in timed}
-    for _ in range(args.rounds):
-        for name, call in timed.items():
-            began = time.perf_counter()
-            call()
-            seconds[name].append(time.perf_counter() - began)
+    with tempfile.TemporaryDirectory(prefix="carry-cost-") as folder:
+        seconds = time_rounds(groups, folder, args.rounds)
     medians = {name: statistics.median(s) for name, s in seconds.items()}
     for name, median in medians.items():
         print(f"{name:>10}: median {median * 1e3:8.2f} ms of {args.rounds}", flush=True)
@@ -113,6 +102,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         result = {"positions": positions, "bytes": len(text), "seconds": seconds}
         args.json.write_text(json.dumps({**vars(args), "json": None, **result}, indent=2))
+
+
+def time_rounds(groups: list, folder: str, rounds: int) -> dict[str, list[float]]:
+    """Each way of writing and reading the carry, once a round, alternating."""
+    from tasks.partial.segments import CarryStore, dumps
+
+    store = CarryStore(folder)
+    timed = {
+        "json.dumps": lambda: json.dumps([g.to_json() for g in groups]),
+        "dumps": lambda: dumps(groups),
+        "write": lambda: store.write(0, groups),
+        "load": lambda: store.load(0),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, call in timed.items():
+            began = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - began)
+    return seconds
 
 
 if __name__ == "__main__":
