@@ -114,8 +114,8 @@ def clock(line: str, day: datetime) -> float | None:
     return datetime.combine(day.date(), t).timestamp()
 
 
-def one_run(repo: Path, cli_args: list[str], prefect_home: Path) -> dict[str, float]:
-    out = Path(tempfile.mkdtemp(prefix="first-row-out-"))
+def one_run(repo: Path, cli_args: list[str], prefect_home: Path, work: Path) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(prefix="out-", dir=work))
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
     env |= {"PREFECT_HOME": str(prefect_home), "RAY_AUTH_MODE": "disabled"}
     log_path = out / "cli.log"
@@ -193,17 +193,23 @@ def main() -> None:
     )
     parser.add_argument("cli_args", nargs="*", help="after --: arguments of the CLI")
     args = parser.parse_args()
+    # The runs' logs, outputs and Prefect homes: what is kept is the table.
+    with tempfile.TemporaryDirectory(prefix="first-row-") as work:
+        compare(args, Path(work))
+
+
+def compare(args: argparse.Namespace, work: Path) -> None:
     checkouts = {"this": REPO} | ({"compare": args.compare.resolve()} if args.compare else {})
-    homes = {name: Path(tempfile.mkdtemp(prefix="first-row-prefect-")) for name in checkouts}
+    homes = {name: Path(tempfile.mkdtemp(prefix="prefect-", dir=work)) for name in checkouts}
     if not args.fresh_home:
         for home in homes.values():
             prepare_home(home)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for i in range(args.repeats):
         for name, repo in checkouts.items():
-            home = Path(tempfile.mkdtemp(prefix="first-row-prefect-")) if args.fresh_home else None
+            home = Path(tempfile.mkdtemp(prefix="prefect-", dir=work)) if args.fresh_home else None
             before = load()
-            runs[name].append(one_run(repo, args.cli_args, home or homes[name]))
+            runs[name].append(one_run(repo, args.cli_args, home or homes[name], work))
             figures = ", ".join(
                 f"{k} {v:.1f} s" for k, v in runs[name][-1].items() if not k.startswith("cpu")
             )

@@ -57,7 +57,7 @@ def make_groups(prompts: int, n: int, scale: int, seed: int, vocab: int) -> list
     return groups
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--gpu", action="store_true", help="CUDA and the GPU model (else the CPU, the tiny model)"
@@ -78,14 +78,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1 (the last is profiled), got {args.steps}")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # The GPU model is built for the run and goes with it (the CPU's tiny
+    # model is the cached one).
+    with tempfile.TemporaryDirectory(prefix="policy-step-") as workdir:
+        measure(args, Path(workdir))
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from engines.tiny_model import build_tiny_model, ensure_tiny_model
     from training.policy import ReferencePolicy
 
-    workdir = Path(tempfile.mkdtemp(prefix="policy-step-"))
     model = (
         str(build_tiny_model(workdir / "llama-0.28b", **GPU_MODEL_SHAPE))
         if args.gpu

@@ -174,8 +174,8 @@ def cpu_rounds(rounds: int, batch: Batch, layers: int, hidden: int) -> list[Roun
     from engines.weight_sync.probe import reference
 
     torch.set_num_threads(1)
-    folder = tempfile.mkdtemp(prefix="probe-cost-")
-    path = str(build_tiny_model(os.path.join(folder, "model"), layers=layers, hidden=hidden))
+    folder = tempfile.TemporaryDirectory(prefix="probe-cost-")  # the model, for this run
+    path = str(build_tiny_model(os.path.join(folder.name, "model"), layers=layers, hidden=hidden))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     weights = [(name, p.detach()) for name, p in model.named_parameters()]
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="probe-cost")
@@ -198,6 +198,7 @@ def cpu_rounds(rounds: int, batch: Batch, layers: int, hidden: int) -> list[Roun
         return results
     finally:
         destroy_engines(engines)
+        folder.cleanup()
         ray.shutdown()
 
 

@@ -263,10 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     schedules = args.schedules.split(",")
     if unknown := sorted(set(schedules) - set(SCHEDULES)):
         raise SystemExit(f"error: unknown schedules {unknown}; pick from {SCHEDULES}")
+    # The model, the prompts, the Prefect home and the runs' rows, checked
+    # as each run ends: what is kept is the report (stdout, --json).
+    with tempfile.TemporaryDirectory(prefix="rolloutflow-schedules-") as workdir:
+        return compare(args, schedules, Path(workdir))
+
+
+def compare(args: argparse.Namespace, schedules: list[str], workdir: Path) -> int:
     import ray
     from prefect.testing.utilities import prefect_test_harness
 
-    workdir = Path(tempfile.mkdtemp(prefix="rolloutflow-schedules-"))
     os.environ.setdefault("PREFECT_HOME", str(workdir / "prefect"))
     prompts = write_prompts(args, workdir)
     model = build_model(args, workdir)

@@ -223,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         startup_children.run(args)
         return 0
+    results = resumed(args) if args.resume else None  # refused before anything is made
+    # Kept after the run: the children's logs, and (without --cache-root)
+    # the compile caches that a warm start or a later --resume reuses.
     work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
-    if args.resume:
-        results = resumed(args)
+    if results:
         args.model = results["model"]
     else:
         args.model = args.model or default_model(args, work)

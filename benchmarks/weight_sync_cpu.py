@@ -68,8 +68,9 @@ def main() -> None:
     from engines.weight_sync.transports.checkpoint import iter_tensors
 
     torch.set_num_threads(1)
+    folder = tempfile.TemporaryDirectory(prefix="wsync-bench-")  # the model, for this run
     model_dir = build_tiny_model(
-        os.path.join(tempfile.mkdtemp(prefix="wsync-bench-"), "model"),
+        os.path.join(folder.name, "model"),
         layers=args.layers,
         hidden=args.hidden,
     )
@@ -138,6 +139,7 @@ def main() -> None:
     finally:
         destroy_engines(engines)
         ray.shutdown()
+        folder.cleanup()
 
     best_bucketed = min(r[3] for r in rows if r[0].startswith("bucketed"))
     logger.info("")

@@ -4,6 +4,7 @@ and the leak guard (tests/leak_guard.py) after every module."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -12,8 +13,11 @@ from waiting import SETUP_TIMEOUT_S
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# Every test session gets its own Prefect home: ~/.prefect is shared.
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rolloutflow-prefect-"))
+# Every test session gets its own Prefect home: ~/.prefect is shared. A
+# pytest run inside a test shares its parent's; the one that made it removes it.
+OWN_PREFECT_HOME = None
+if "PREFECT_HOME" not in os.environ:
+    OWN_PREFECT_HOME = os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rolloutflow-prefect-")
 # Ray's own start-up deadlines (a raylet waits 30 s for its agents, a worker
 # process gets 60 s to register) are fixed for an idle machine; on the 2-core
 # box under a CI run beside other work they were missed. Every Ray node the
@@ -24,6 +28,11 @@ os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")
 # Logical CPUs for the local Ray: engines, trainer and tasks each take one
 # bundle CPU; the work itself is tiny, so more logical than physical is fine.
 RAY_NUM_CPUS = 8
+
+
+def pytest_unconfigure(config):
+    if OWN_PREFECT_HOME:  # after the session's fixtures, the Prefect server's among them
+        shutil.rmtree(OWN_PREFECT_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

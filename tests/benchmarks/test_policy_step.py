@@ -22,7 +22,7 @@ def test_the_groups_are_the_long_tails_rows_each_sample_its_rows_length():
         assert lengths == {row["max_tokens"]} and len(group["samples"]) == 3
 
 
-def test_a_run_on_the_cpu_writes_its_step_times(tmp_path, capsys):
+def test_a_run_on_the_cpu_writes_its_step_times_and_leaves_no_folder(tmp_path, own_tmp, capsys):
     out = tmp_path / "step.json"
     policy_step.main(
         ["--scale", "32", "--prompts", "4", "--n", "2", "--steps", "1", "--rows", "3"]
@@ -37,6 +37,7 @@ def test_a_run_on_the_cpu_writes_its_step_times(tmp_path, capsys):
         for s in g["samples"]
     )
     assert "Self CPU time total" in capsys.readouterr().out  # the profiler's table
+    assert not list(own_tmp.glob("policy-step-*"))  # (torch keeps its own cache there)
 
 
 def test_no_steps_is_refused():

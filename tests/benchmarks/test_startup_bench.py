@@ -12,8 +12,9 @@ from benchmarks import startup
 
 
 @pytest.fixture
-def starts(monkeypatch, tmp_path):
-    """Each child start recorded as (side, cache directory name) instead of run."""
+def starts(monkeypatch, tmp_path, own_tmp):
+    """Each child start recorded as (side, cache directory name) instead of run;
+    the folders a run keeps (its logs, its caches) made in the test's own."""
     calls: list[tuple[str, str]] = []
 
     def fake_child(args, kind, cache, log):
@@ -48,9 +49,10 @@ def test_resumed_pairs_alternate_on_and_warm_starts_reuse_the_first_cache(starts
     assert [len(results["states"][s]["ours"]) for s in ("cold", "warm")] == [2, 2]
 
 
-def test_resume_refuses_other_settings_and_a_lost_cache(starts, tmp_path):
+def test_resume_refuses_other_settings_and_a_lost_cache(starts, tmp_path, own_tmp):
     out = tmp_path / "s.json"
     startup.main(["--backend", "hf", "--states", "cold", "--pairs", "1", "--json", str(out)])
+    kept = set(own_tmp.glob("startup-bench-*"))  # the run's logs and caches
     with pytest.raises(SystemExit, match="enforce_eager=False, this call enforce_eager=True"):
         startup.main(["--backend", "hf", "--json", str(out), "--resume", "--enforce-eager"])
     with pytest.raises(SystemExit, match="gpu_memory_utilization=0.85, this call gpu_memory"):
@@ -62,6 +64,7 @@ def test_resume_refuses_other_settings_and_a_lost_cache(starts, tmp_path):
     out.write_text(json.dumps(results))
     with pytest.raises(SystemExit, match="cache_root .* is gone"):
         startup.main(["--backend", "hf", "--json", str(out), "--resume"])
+    assert set(own_tmp.glob("startup-bench-*")) == kept  # a refused call makes none
 
 
 def test_resume_needs_an_earlier_run(tmp_path, capsys):

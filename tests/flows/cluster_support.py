@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -230,7 +231,9 @@ class ProcessCluster:
         node.process.wait(timeout=30)
 
     def shutdown(self) -> None:
-        """End every node: SIGTERM to its process group, SIGKILL to what is left."""
+        """End every node: SIGTERM to its process group, SIGKILL to what is
+        left; then remove the cluster's folder (a failed start's error quoted
+        the log it needed)."""
         for node in self.nodes.values():
             try:
                 os.killpg(node.process.pid, signal.SIGTERM)
@@ -248,3 +251,4 @@ class ProcessCluster:
                 os.killpg(node.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(self.root, ignore_errors=True)
