@@ -6,11 +6,13 @@ models plug in their own `Trainer`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engines.weight_sync import LoraSpec, LoraSync
@@ -27,10 +29,19 @@ logger = logging.getLogger(__name__)
 
 def checkpoint_dtype(pretrain: str) -> str:
     """The dtype the checkpoint was saved in (what `dtype="auto"` loads); read
-    from its config, since loading in float32 rewrites the model's."""
-    from transformers import AutoConfig
+    from its config, since loading in float32 rewrites the model's. A local
+    checkpoint's config.json is read as transformers reads it (`dtype`, else
+    the older `torch_dtype`): the flow's process asks before it starts the
+    policy, and would otherwise import transformers for it (seconds of CPU,
+    on the way to the policy's start)."""
+    config = Path(pretrain, "config.json")
+    if config.is_file():
+        saved = json.loads(config.read_text())
+        dtype = saved.get("dtype") if saved.get("dtype") is not None else saved.get("torch_dtype")
+    else:  # a hub id
+        from transformers import AutoConfig
 
-    dtype = getattr(AutoConfig.from_pretrained(pretrain), "dtype", None)
+        dtype = getattr(AutoConfig.from_pretrained(pretrain), "dtype", None)
     return str(dtype or "float32").removeprefix("torch.")
 
 

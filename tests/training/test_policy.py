@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 
 import pytest
@@ -9,7 +11,13 @@ import torch
 
 from training.config import PolicyConfig
 from training.grpo import token_logprobs
-from training.policy import ReferencePolicy, alloc_retries, engine_dtype, tf32_matmuls
+from training.policy import (
+    ReferencePolicy,
+    alloc_retries,
+    checkpoint_dtype,
+    engine_dtype,
+    tf32_matmuls,
+)
 from training.rollouts import RolloutGroup, RolloutSample
 
 
@@ -157,6 +165,40 @@ def test_a_sync_sends_the_dtype_the_engines_hold(tiny_model):
     assert engine_dtype(tiny_model, "vllm", {"dtype": "float32"}) == "float32"
     with pytest.raises(ValueError, match="'int8'"):
         engine_dtype(tiny_model, "vllm", {"dtype": "int8"})
+
+
+@pytest.mark.parametrize(
+    "saved, expected",
+    [
+        ({"torch_dtype": "bfloat16"}, "bfloat16"),
+        ({"dtype": "float16", "torch_dtype": "bfloat16"}, "float16"),
+        ({"dtype": None, "torch_dtype": "bfloat16"}, "bfloat16"),
+        ({}, "float32"),
+    ],
+)
+def test_a_checkpoints_dtype_is_read_as_transformers_reads_it(tmp_path, saved, expected):
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **saved}))
+    assert checkpoint_dtype(str(tmp_path)) == expected
+    assert str(AutoConfig.from_pretrained(tmp_path).dtype or "float32") in (
+        expected,
+        f"torch.{expected}",
+    )
+
+
+def test_the_flows_process_asks_the_engines_dtype_without_transformers(tiny_model):
+    """The flow's process asks it before it starts the policy: importing
+    transformers there delayed the policy's start."""
+    code = (
+        "import sys, flows.cli, flows.rollout\n"
+        "from training.policy import engine_dtype\n"
+        f"assert engine_dtype({tiny_model!r}, 'vllm', {{}}) == 'bfloat16'\n"
+        "print(sorted({'transformers', 'torch'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]
 
 
 def test_tf32_matmuls_hold_for_a_cuda_step_only():
