@@ -60,7 +60,10 @@ def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):
     script.write_text(ACTOR)
     (tmp_path / "slow_import.py").write_text(f"import time\ntime.sleep({SLOW_IMPORT_S})\n")
     out = tmp_path / "child.json"
-    actor = subprocess.Popen([sys.executable, str(script), str(out)], cwd=tmp_path)
+    # The server's socket lives in a folder of the actor's (multiprocessing's
+    # pymp-*), which the SIGKILL below leaves behind: here, not in /tmp.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    actor = subprocess.Popen([sys.executable, str(script), str(out)], cwd=tmp_path, env=env)
     try:
         seen = wait_until(
             lambda: out.exists() and json.loads(out.read_text()),
@@ -83,6 +86,7 @@ def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):
         actor.wait(timeout=10)
         wait_until(lambda: not alive(server), 30, "the server to exit with its actor")
         wait_until(lambda: not alive(seen["pid"]), 30, "the forked child to exit with the server")
+        assert len(list(tmp_path.glob("pymp-*"))) == 1  # the actor's, left here
     finally:
         if actor.poll() is None:
             actor.kill()
