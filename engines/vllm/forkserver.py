@@ -17,19 +17,29 @@ drops its copy of that pipe and is killed when the server exits
 (PR_SET_PDEATHSIG). So an engine core never outlives its actor, even one
 killed with SIGKILL or by a crash, which Ray's own clean-up does not cover for
 grandchildren: https://docs.ray.io/en/latest/ray-core/user-spawn-processes.html
+The server's socket is in the actor's multiprocessing folder (/tmp/pymp-*),
+which multiprocessing removes at a normal exit only, and every teardown
+kills the actor: the server removes that folder as it exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver
+from multiprocessing import util as mp_util
 
 _PR_SET_PDEATHSIG = 1
+
+#: "<actor pid>:<its multiprocessing folder>", set by `start` for the server
+#: it spawns, which imports this module (its preload).
+_FOLDER_ENV = "ROLLOUTFLOW_FORKSERVER_FOLDER"
 
 #: Seconds each fork from this process's server took to start. The server
 #: forks only once it has imported its preload, so a long one is the part of
@@ -44,7 +54,19 @@ def start(preload: tuple[str, ...]) -> None:
     # "__main__" (the Ray worker's script) as the spawned engine core imported
     # it; this module for TiedProcess, which each forked child unpickles.
     multiprocessing.set_forkserver_preload(["__main__", __name__, *preload])
+    os.environ[_FOLDER_ENV] = f"{os.getpid()}:{mp_util.get_temp_dir()}"
     forkserver.ensure_running()
+
+
+def _remove_folder_at_exit() -> None:
+    """In the server (the actor's child; not the engine cores it forks,
+    nor what they start): remove the actor's folder when the server exits."""
+    actor, _, folder = os.environ.get(_FOLDER_ENV, "").partition(":")
+    if folder and actor == str(os.getppid()):
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_remove_folder_at_exit()
 
 
 class TiedProcess(mp_context.ForkServerProcess):

@@ -2,7 +2,8 @@
 the preloaded modules imported and the actor's environment as at the fork
 (not the server's from its start), the actor knows how long its fork waited
 for them, and the child dies with the process that started the server, even when
-that process is killed with SIGKILL."""
+that process is killed with SIGKILL; the server, exiting, removes that process's
+multiprocessing folder (its socket's)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,7 @@ def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):
     script.write_text(ACTOR)
     (tmp_path / "slow_import.py").write_text(f"import time\ntime.sleep({SLOW_IMPORT_S})\n")
     out = tmp_path / "child.json"
-    # The server's socket lives in a folder of the actor's (multiprocessing's
-    # pymp-*), which the SIGKILL below leaves behind: here, not in /tmp.
+    # The actor's multiprocessing folder (pymp-*, the server's socket) here.
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     actor = subprocess.Popen([sys.executable, str(script), str(out)], cwd=tmp_path, env=env)
     try:
@@ -86,7 +86,7 @@ def test_forked_child_is_preloaded_and_dies_with_a_killed_actor(tmp_path):
         actor.wait(timeout=10)
         wait_until(lambda: not alive(server), 30, "the server to exit with its actor")
         wait_until(lambda: not alive(seen["pid"]), 30, "the forked child to exit with the server")
-        assert len(list(tmp_path.glob("pymp-*"))) == 1  # the actor's, left here
+        assert not list(tmp_path.glob("pymp-*")), "the server left the killed actor's folder"
     finally:
         if actor.poll() is None:
             actor.kill()
